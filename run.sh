@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One entry point for people and CI.
+#   ./run.sh [serve options]   set up .venv (first run, or when pyproject.toml changed), run the gateway
+#   ./run.sh test [pytest args] set up the same way, run the test suite (CI runs exactly this)
+#   ./run.sh setup             only set up
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+# qwen_tts imports torchaudio at import time, and PyPI's torchaudio only loads beside a CUDA
+# build of torch (beside a CPU-only torch it fails with "libc10_cuda.so not found"). This pair
+# imports on machines with or without a GPU. See README "Which Qwen3-TTS packages, and why".
+TORCH_PAIR=("torch==2.14.1" "torchaudio==2.11.1")
+
+setup() {
+  local stamp="$VENV/.installed"
+  if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt run.sh ]; then
+    return
+  fi
+  echo "run.sh: setting up $VENV (first run takes a few minutes: torch is large)" >&2
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q "${TORCH_PAIR[@]}"
+  "$VENV/bin/python" -m pip install -q -e ".[test]"
+  "$VENV/bin/python" -c "import qwen_tts, faster_qwen3_tts, torchaudio" >/dev/null
+  touch "$stamp"
+}
+
+cmd=${1:-serve}
+case "$cmd" in
+  setup) setup ;;
+  test)
+    shift
+    setup
+    exec "$VENV/bin/python" -m pytest -q "$@"
+    ;;
+  serve) shift; setup; exec "$VENV/bin/gateway" serve "$@" ;;
+  -*) setup; exec "$VENV/bin/gateway" serve "$@" ;;
+  *) setup; exec "$VENV/bin/gateway" "$@" ;;
+esac
