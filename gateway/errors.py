@@ -1,0 +1,73 @@
+"""The gateway's one exception tree.
+
+Every error the gateway raises on purpose derives from :class:`GatewayError`, and every parse
+or protocol error maps to exactly one protocol outcome, so the I/O shells never have to guess:
+
+- :class:`GatewayError`
+    - :class:`ConfigError`: bad or missing settings; the process refuses to start and says why.
+    - :class:`ModelLoadError`: the TTS model could not be loaded (unknown id, hub unreachable,
+      broken local directory); one line names the model and how to pass a local path.
+    - :class:`EngineError`: a generation failed mid-utterance; the turn fails, the call lives.
+    - :class:`CallProtocolError`: a transport message that cannot be accepted. It closes *only
+      the call it arrived on* with :attr:`CallProtocolError.close_code` and a logged reason.
+        - :class:`MessageTooLarge`: over the size limit (WebSocket close 1009).
+        - :class:`UnsupportedData`: a binary frame where text is required (close 1003).
+        - :class:`InvalidMessage`: not UTF-8, not JSON, not a known event, bad field types,
+          bad base64 (close 1007, "inconsistent data").
+        - :class:`ProtocolViolation`: well-formed but not allowed here: media before ``start``,
+          a second ``start``, an unknown ``streamSid``, an unsupported media format
+          (close 1008, "policy violation").
+"""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    """Base class of every error the gateway raises on purpose."""
+
+
+class ConfigError(GatewayError):
+    """Settings are missing or inconsistent; the gateway refuses to start."""
+
+
+class ModelLoadError(GatewayError):
+    """The TTS model could not be loaded."""
+
+
+class EngineError(GatewayError):
+    """Speech generation failed for one request."""
+
+
+class CallProtocolError(GatewayError):
+    """A transport message that closes the call it arrived on (and only that call)."""
+
+    #: WebSocket close code (RFC 6455 section 7.4.1) sent to the peer.
+    close_code: int = 1008
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class MessageTooLarge(CallProtocolError):
+    """The message exceeds the configured size limit."""
+
+    close_code = 1009
+
+
+class UnsupportedData(CallProtocolError):
+    """A binary frame arrived where the protocol only carries text."""
+
+    close_code = 1003
+
+
+class InvalidMessage(CallProtocolError):
+    """The message is not valid UTF-8/JSON, or not a well-formed known event."""
+
+    close_code = 1007
+
+
+class ProtocolViolation(CallProtocolError):
+    """A well-formed message that is not allowed in the stream's current state."""
+
+    close_code = 1008

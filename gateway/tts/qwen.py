@@ -1,0 +1,456 @@
+"""Qwen3-TTS streaming engine: faster-qwen3-tts's CUDA graphs on a GPU, the same loop eager on CPU.
+
+Loading is the real path: ``qwen_tts.Qwen3TTSModel.from_pretrained`` of a Hugging Face model id
+or a local directory. Generation is our own streaming loop over faster-qwen3-tts's two step
+functions (the talker's one-token decode over a static KV cache, and the code predictor's
+15-step loop), because the library's loop has a fixed chunk size and calls
+``torch.cuda.synchronize`` unconditionally. Owning the loop gives us:
+
+- a growing chunk schedule (first chunk of 1-2 codec frames: the first chunk sets the latency,
+  later chunks only have to stay ahead of playback);
+- a CPU path that is the *same* loop: on CPU the "graphs" are replaced at one seam
+  (:class:`_EagerReplay` stands in for ``torch.cuda.CUDAGraph``) so streaming, chunking, codec
+  windowing and cancellation behave identically and are tested on CPU with the tiny checkpoint.
+
+The seam is pinned to faster-qwen3-tts 0.2.6 / qwen-tts 0.1.1 (see pyproject.toml);
+``tests/test_tts_seam.py`` fails loudly if either library changes the pieces we rely on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gateway.errors import EngineError, ModelLoadError
+from gateway.tts.engine import SAMPLES_PER_FRAME, Engine, SpeechRequest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+#: Frames of already-decoded left context re-decoded with each chunk (faster-qwen3-tts uses 25):
+#: the codec decoder is causal but has a receptive field, so a window without context clicks.
+CODEC_LEFT_CONTEXT = 25
+#: Default codec frames per chunk: 1 frame (80 ms) first, then growing; the last value repeats.
+DEFAULT_CHUNK_SCHEDULE = (1, 2, 4, 8)
+
+
+class _EagerReplay:
+    """Stands in for ``torch.cuda.CUDAGraph`` on CPU: ``replay()`` runs the captured step eagerly.
+
+    faster-qwen3-tts's ``PredictorGraph.run`` / ``TalkerGraph.run`` fill static input buffers,
+    call ``self.graph.replay()`` and read static output buffers. Swapping the graph object for
+    this keeps every other line of their code path, buffers and static caches identical.
+    """
+
+    def __init__(self, step: Callable[[], Any]) -> None:
+        self._step = step
+
+    def replay(self) -> None:
+        self._step()
+
+
+def _eager_capture(graph_obj: Any) -> None:
+    """CPU replacement for ``PredictorGraph.capture`` / ``TalkerGraph.capture``.
+
+    Does what capture does minus the CUDA stream/graph work: initialise the static cache layers
+    and precompute the attention masks, then install an eager replayer.
+    """
+    graph_obj._init_cache_layers()
+    graph_obj._build_attention_masks()
+    step = graph_obj._full_loop if hasattr(graph_obj, "_full_loop") else graph_obj._decode_step
+    graph_obj.graph = _EagerReplay(step)
+    graph_obj.captured = True
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when a CUDA device exists, else ``cpu``."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was requested but no CUDA device is available")
+    return device
+
+
+def parse_chunk_schedule(spec: str | Sequence[int]) -> tuple[int, ...]:
+    """``"1,2,4,8"`` -> ``(1, 2, 4, 8)``; every entry a positive number of codec frames."""
+    if isinstance(spec, str):
+        parts = [p for p in spec.replace(" ", "").split(",") if p]
+        try:
+            values = tuple(int(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"chunk schedule {spec!r} must be comma-separated integers") from None
+    else:
+        values = tuple(int(v) for v in spec)
+    if not values or any(v < 1 or v > 64 for v in values):
+        raise ValueError(f"chunk schedule {spec!r} needs 1..64 codec frames per entry")
+    return values
+
+
+def default_max_frames(text: str) -> int:
+    """Cap on codec frames for ``text``: twice a slow speaking rate plus 2 s, at 12.5 frames/s.
+
+    Speech runs ~15 characters per second; a random or confused model may never emit EOS, and
+    without a cap one request would hold a GPU slot until the static cache is full.
+    """
+    seconds = 2.0 + 0.15 * len(text)
+    return math.ceil(seconds * 12.5)
+
+
+class QwenEngine(Engine):
+    """Streaming Qwen3-TTS (CustomVoice) on CUDA graphs, or the same loop eager on CPU."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        device: str = "auto",
+        dtype: str = "auto",
+        chunk_schedule: str | Sequence[int] = DEFAULT_CHUNK_SCHEDULE,
+        max_seq_len: int = 2048,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        model = resolve_model(model)
+        self.model_id = model
+        self.device = resolve_device(device)
+        self.chunk_schedule = parse_chunk_schedule(chunk_schedule)
+        self.max_seq_len = max_seq_len
+        self._wrapper, self._base = _load(
+            model, self.device, dtype, max_seq_len=max_seq_len, attn=attn_implementation
+        )
+        inner = self._base.model
+        self._speakers = tuple(sorted(s.lower() for s in (inner.get_supported_speakers() or [])))
+        self._languages = tuple(
+            sorted(lang.capitalize() for lang in (inner.get_supported_languages() or []))
+        )
+        self._model_type = str(inner.tts_model_type)
+        self._model_size = str(inner.tts_model_size)
+
+    # --- Engine API ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return f"qwen3-tts {self.model_id} on {self.device}"
+
+    @property
+    def speakers(self) -> Sequence[str]:
+        return self._speakers
+
+    @property
+    def languages(self) -> Sequence[str]:
+        return self._languages
+
+    def warmup(self) -> None:
+        """Capture CUDA graphs (GPU) / build static caches (CPU) and run one short generation."""
+        t0 = time.perf_counter()
+        speaker = self._speakers[0] if self._speakers else "ryan"
+        request = SpeechRequest(text="Hello.", speaker=speaker, language="English", max_frames=8)
+        for _ in self.stream(request):
+            pass
+        log.info("engine warm: %s in %.2f s", self.name, time.perf_counter() - t0)
+
+    def stream(self, request: SpeechRequest) -> Generator[np.ndarray, None, None]:
+        if self._model_type != "custom_voice":
+            raise EngineError(
+                f"{self.model_id} is a {self._model_type!r} model; the gateway speaks with a "
+                "CustomVoice model (e.g. Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)"
+            )
+        try:
+            self.validate(request)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+        return self._stream(request)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def _stream(self, request: SpeechRequest) -> Generator[np.ndarray, None, None]:
+        import torch
+
+        with torch.inference_mode():
+            if request.seed is not None:
+                torch.manual_seed(request.seed)
+            # 0.6B models ignore instruct (faster-qwen3-tts drops it for "0b6" too).
+            instruct = request.instruct if self._model_size != "0b6" else None
+            _m, talker, config, tie, tam, tth, tpe = self._wrapper._prepare_generation_custom(
+                text=request.text,
+                language=request.language,
+                speaker=request.speaker.lower(),
+                instruct=instruct,
+                non_streaming_mode=True,
+            )
+            max_frames = request.max_frames or default_max_frames(request.text)
+            codes = self._generate_codes(talker, config, tie, tam, tth, tpe, max_frames)
+            try:
+                yield from self._decode_chunks(codes)
+            finally:
+                codes.close()
+
+    def _generate_codes(
+        self,
+        talker: Any,
+        config: Any,
+        talker_input_embeds: Any,
+        attention_mask: Any,
+        trailing_text_hiddens: Any,
+        tts_pad_embed: Any,
+        max_frames: int,
+    ) -> Generator[Any, None, None]:
+        """Yield ``[n, 16]`` codec-id tensors following the chunk schedule.
+
+        Mirrors ``faster_qwen3_tts.streaming.fast_generate_streaming`` (0.2.6): prefill through
+        the HF forward, copy its KV into the static cache, then per frame one code-predictor
+        graph replay and one talker graph replay.
+        """
+        import torch
+        from faster_qwen3_tts.sampling import apply_repetition_penalty, sample_logits
+
+        w = self._wrapper
+        predictor_graph, talker_graph = w.predictor_graph, w.talker_graph
+        on_cuda = self.device.startswith("cuda")
+        # Sampling defaults of faster-qwen3-tts / qwen-tts generate_config.
+        temperature, top_k, top_p, repetition_penalty, min_new_tokens = 0.9, 50, 1.0, 1.05, 2
+
+        eos_id = int(config.codec_eos_token_id)
+        vocab_size = int(config.vocab_size)
+        device = talker_input_embeds.device
+        # The top 1024 ids of the codec vocabulary are control tokens; only EOS may be sampled.
+        suppress_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        suppress_mask[max(0, vocab_size - 1024) :] = True
+        suppress_mask[eos_id] = False
+
+        predictor = talker.code_predictor
+        talker_codec_embed = talker.get_input_embeddings()
+        talker_codec_head = talker.codec_head
+        predictor_codec_embeds = predictor.get_input_embeddings()
+        num_code_groups = int(config.num_code_groups)
+
+        out = talker.forward(
+            inputs_embeds=talker_input_embeds,
+            attention_mask=attention_mask,
+            use_cache=True,
+            output_hidden_states=True,
+            return_dict=True,
+            trailing_text_hidden=trailing_text_hiddens,
+            tts_pad_embed=tts_pad_embed,
+            generation_step=None,
+            past_hidden=None,
+            past_key_values=None,
+        )
+        past_hidden = out.past_hidden
+        gen_step = out.generation_step
+        token = sample_logits(
+            out.logits[:, -1, :],
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            do_sample=True,
+            suppress_mask=suppress_mask,
+            suppress_tokens=[eos_id],
+        )
+        prefill_len = talker_graph.prefill_kv(out.past_key_values)
+        talker_graph.set_generation_state(attention_mask, getattr(talker, "rope_deltas", None))
+        max_frames = min(max_frames, talker_graph.max_seq_len - 1 - prefill_len)
+
+        schedule = self.chunk_schedule
+        chunk_index = 0
+        target = schedule[0]
+        buffer: list[Any] = []
+        history: list[Any] = []
+        for step in range(max_frames):
+            if int(token.item()) == eos_id:
+                break
+            last_id_hidden = talker_codec_embed(token.unsqueeze(1))
+            pred_input = torch.cat((past_hidden, last_id_hidden), dim=1)
+            codebook_ids = predictor_graph.run(pred_input)
+            buffer.append(torch.cat([token.view(1), codebook_ids]))
+            history.append(token)
+
+            if len(buffer) >= target:
+                if on_cuda:
+                    torch.cuda.synchronize()
+                yield torch.stack(buffer)
+                buffer = []
+                chunk_index += 1
+                target = schedule[min(chunk_index, len(schedule) - 1)]
+
+            if step == max_frames - 1:
+                break
+            codec_hiddens = [last_id_hidden]
+            for i in range(num_code_groups - 1):
+                codec_hiddens.append(predictor_codec_embeds[i](codebook_ids[i].view(1, 1)))
+            inputs_embeds = torch.cat(codec_hiddens, dim=1).sum(1, keepdim=True)
+            if gen_step < trailing_text_hiddens.shape[1]:
+                inputs_embeds = inputs_embeds + trailing_text_hiddens[:, gen_step].unsqueeze(1)
+            else:
+                inputs_embeds = inputs_embeds + tts_pad_embed
+            hidden_states = talker_graph.run(inputs_embeds, position=prefill_len + step)
+            logits = talker_codec_head(hidden_states[:, -1, :]).unsqueeze(0)
+            if repetition_penalty != 1.0:
+                logits = apply_repetition_penalty(logits, torch.stack(history), repetition_penalty)
+            token = sample_logits(
+                logits.squeeze(0),
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                do_sample=True,
+                suppress_mask=suppress_mask,
+                suppress_tokens=[eos_id] if len(history) < min_new_tokens else None,
+            )
+            past_hidden = hidden_states[:, -1:, :].clone()
+            gen_step += 1
+        if buffer:
+            if on_cuda:
+                torch.cuda.synchronize()
+            yield torch.stack(buffer)
+
+    def _decode_chunks(
+        self, codes: Generator[Any, None, None]
+    ) -> Generator[np.ndarray, None, None]:
+        """Decode each chunk of codec frames with up to 25 frames of left context.
+
+        The 12 Hz codec decodes exactly 1920 samples per frame, so the new audio is the last
+        ``n_new * 1920`` samples of the window's output.
+        """
+        import torch
+
+        tokenizer = self._base.model.speech_tokenizer
+        frames: list[Any] = []
+        for chunk in codes:
+            frames.append(chunk)
+            all_codes = torch.cat(frames, dim=0)
+            n_new = int(chunk.shape[0])
+            window = all_codes[-(n_new + CODEC_LEFT_CONTEXT) :]
+            wavs, _sr = tokenizer.decode({"audio_codes": window.unsqueeze(0)})
+            audio = np.asarray(wavs[0], dtype=np.float32).reshape(-1)
+            new = audio[-n_new * SAMPLES_PER_FRAME :]
+            # Keep only what later windows can still reach; the list would grow per frame.
+            if all_codes.shape[0] > CODEC_LEFT_CONTEXT:
+                frames = [all_codes[-CODEC_LEFT_CONTEXT:]]
+            yield np.clip(new, -1.0, 1.0)
+
+
+#: ``--model tiny``: a tiny random-weight checkpoint built on first use (offline smoke runs).
+TINY_ALIAS = "tiny"
+
+
+def resolve_model(model: str) -> str:
+    """Map the ``tiny`` alias to a cached tiny checkpoint; anything else is returned unchanged.
+
+    The tiny checkpoint has the real architecture and random weights: it exercises the whole
+    gateway offline, and it speaks noise.
+    """
+    if model != TINY_ALIAS:
+        return model
+    from gateway.tts.tiny import build_tiny_checkpoint
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen3-tts-gateway"
+    target = cache / "tiny-custom_voice"
+    if not (target / "model.safetensors").exists():
+        build_tiny_checkpoint(target)
+    log.warning("model 'tiny': random weights from %s; callers will hear noise", target)
+    return str(target)
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~")) or os.path.isabs(model)
+
+
+def _load(model: str, device: str, dtype: str, max_seq_len: int, attn: str) -> tuple[Any, Any]:
+    """Load the model through qwen-tts and wrap it in faster-qwen3-tts's graph holders."""
+    import torch
+
+    if _looks_like_path(model) and not Path(model).expanduser().is_dir():
+        raise ModelLoadError(
+            f"cannot load Qwen3-TTS model: local directory {model} does not exist. Pass a "
+            "checkpoint directory or a Hugging Face model id (e.g. "
+            f"{DEFAULT_MODEL}) with --model / GATEWAY_MODEL."
+        )
+    model = str(Path(model).expanduser()) if _looks_like_path(model) else model
+
+    with _quiet_stdout():
+        from faster_qwen3_tts.model import FasterQwen3TTS
+        from faster_qwen3_tts.predictor_graph import PredictorGraph
+        from faster_qwen3_tts.talker_graph import TalkerGraph
+        from qwen_tts import Qwen3TTSModel
+
+    on_cuda = device.startswith("cuda")
+    if dtype == "auto":
+        torch_dtype = torch.bfloat16 if on_cuda else torch.float32
+    else:
+        torch_dtype = getattr(torch, dtype)
+    try:
+        base = Qwen3TTSModel.from_pretrained(
+            model, device_map=device, dtype=torch_dtype, attn_implementation=attn
+        )
+    except Exception as exc:
+        raise ModelLoadError(_load_error_message(model, exc)) from exc
+
+    talker = base.model.talker
+    talker_config = base.model.config.talker_config
+    pred_config = talker.code_predictor.model.config
+    # The graph holders ask torch.cuda for the device index when the device has none; on CPU
+    # an explicit index keeps them off the CUDA runtime.
+    graph_device: Any = device if on_cuda else torch.device("cpu", 0)
+    predictor_graph = PredictorGraph(
+        talker.code_predictor,
+        pred_config,
+        talker_config.hidden_size,
+        device=graph_device,
+        dtype=torch_dtype,
+        do_sample=True,
+        top_k=50,
+        temperature=0.9,
+    )
+    talker_graph = TalkerGraph(
+        talker.model, talker_config, device=graph_device, dtype=torch_dtype, max_seq_len=max_seq_len
+    )
+    if not on_cuda:
+        predictor_graph.capture = lambda num_warmup=0: _eager_capture(predictor_graph)
+        talker_graph.capture = lambda prefill_len=0, num_warmup=0: _eager_capture(talker_graph)
+    wrapper = FasterQwen3TTS(
+        base_model=base,
+        predictor_graph=predictor_graph,
+        talker_graph=talker_graph,
+        device=device,
+        dtype=torch_dtype,
+        max_seq_len=max_seq_len,
+    )
+    return wrapper, base
+
+
+def _load_error_message(model: str, exc: BaseException) -> str:
+    local = Path(model).expanduser()
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if local.exists():
+        return f"cannot load Qwen3-TTS model from local directory {local}: {detail}"
+    hint = (
+        "it is not a local directory and the Hugging Face hub could not provide it"
+        if os.environ.get("HF_HUB_OFFLINE") != "1"
+        else "HF_HUB_OFFLINE=1 and it is not in the local cache"
+    )
+    return (
+        f"cannot load Qwen3-TTS model {model!r}: {hint} ({detail}). Pass a local checkpoint "
+        "directory with --model /path/to/model (or GATEWAY_MODEL=/path/to/model); "
+        "`gateway model tiny DIR` builds a tiny offline one for smoke tests."
+    )
+
+
+class _quiet_stdout:
+    """qwen_tts prints a flash-attn banner and a SoX warning at import; keep logs clean."""
+
+    def __enter__(self) -> None:
+        import contextlib
+        import io
+
+        self._ctx = contextlib.redirect_stdout(io.StringIO())
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(None, None, None)
