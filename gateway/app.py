@@ -1,0 +1,155 @@
+"""FastAPI app factory: load the engine, warm it, then report ready.
+
+``/healthz`` answers 200 as soon as the process serves HTTP (liveness); ``/readyz`` answers 200
+only once the model is loaded and warmed (graph capture plus one generation), so a load
+balancer never sends a caller to a gateway that would answer with silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from gateway.call import Call
+from gateway.config import Settings
+from gateway.demo import greeter
+from gateway.errors import GatewayError
+from gateway.metrics import Metrics
+from gateway.tts.engine import Engine
+from gateway.tts.service import SpeechService
+from gateway.twilio.routes import build_router
+from gateway.twilio.session import Dialog
+from gateway.twilio.signature import SignatureChecker
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[Settings], Engine]
+
+
+def default_engine_factory(settings: Settings) -> Engine:
+    """The real engine: Qwen3-TTS loaded with ``from_pretrained`` of ``settings.model``."""
+    from gateway.tts.qwen import QwenEngine
+
+    return QwenEngine(
+        model=settings.model,
+        device=settings.device,
+        dtype=settings.dtype,
+        chunk_schedule=settings.chunk_schedule,
+    )
+
+
+@dataclass
+class GatewayState:
+    """Everything one gateway process shares between calls."""
+
+    settings: Settings
+    metrics: Metrics
+    signatures: SignatureChecker
+    speech: SpeechService | None = None
+    ready: bool = False
+    load_error: str | None = None
+    calls: dict[str, Call] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+    #: Called with a message when start-up fails (the CLI stops the server and exits 1).
+    on_fatal: Callable[[str], None] | None = None
+
+    @property
+    def speech_service(self) -> SpeechService:
+        if self.speech is None:
+            raise RuntimeError("speech service not started")
+        return self.speech
+
+
+def create_app(
+    settings: Settings,
+    engine_factory: EngineFactory = default_engine_factory,
+    dialog: Dialog | None = None,
+) -> FastAPI:
+    """Build the gateway app. The engine loads in the background once the server starts."""
+    token = settings.twilio_auth_token.get_secret_value() if settings.twilio_auth_token else None
+    state = GatewayState(
+        settings=settings,
+        metrics=Metrics(),
+        signatures=SignatureChecker(None if settings.insecure else token, settings.public_url),
+    )
+    if dialog is None:
+        dialog = partial(_greeter_dialog, greeting=settings.greeting)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(_load(state, engine_factory))
+        try:
+            yield
+        finally:
+            loader.cancel()
+            for call in list(state.calls.values()):
+                await call.close()
+            if state.speech is not None:
+                await asyncio.to_thread(state.speech.stop)
+
+    app = FastAPI(title="Qwen3-TTS IVR gateway", lifespan=lifespan)
+    app.state.gateway = state
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, object]:
+        return {"status": "alive", "uptime_s": round(time.monotonic() - state.started_at, 1)}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        if state.ready and state.speech is not None:
+            return JSONResponse({"status": "ready", "engine": state.speech.engine.name,
+                                 "calls": len(state.calls)})
+        body = {"status": "failed" if state.load_error else "loading", "error": state.load_error}
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        speech = state.speech
+        if speech is not None:
+            state.metrics.tts_busy_slots.set(speech.busy_slots)
+            state.metrics.tts_queue_depth.set(speech.queued)
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    app.include_router(build_router(state, dialog))
+    return app
+
+
+async def _greeter_dialog(call: Call, greeting: str) -> None:
+    await greeter(call, greeting)
+
+
+async def _load(state: GatewayState, engine_factory: EngineFactory) -> None:
+    """Load and warm the engine off the event loop, then mark the gateway ready."""
+    t0 = time.monotonic()
+    try:
+        engine = await asyncio.to_thread(engine_factory, state.settings)
+        await asyncio.to_thread(engine.warmup)
+    except asyncio.CancelledError:
+        raise
+    except GatewayError as exc:
+        _fail(state, str(exc))
+        return
+    except Exception as exc:
+        log.exception("engine start-up failed")
+        _fail(state, f"engine start-up failed: {exc}")
+        return
+    speech = SpeechService([engine])
+    speech.start()
+    state.speech = speech
+    state.ready = True
+    log.info("ready: %s (load + warm-up %.1f s)", engine.name, time.monotonic() - t0)
+
+
+def _fail(state: GatewayState, message: str) -> None:
+    state.load_error = message
+    log.error("%s", message)
+    if state.on_fatal is not None:
+        state.on_fatal(message)

@@ -1,0 +1,193 @@
+"""The ``gateway`` command: a thin wrapper over settings, the app and the engine.
+
+Tests call :func:`main` with an argv list instead of spawning a process.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gateway.config import Settings
+from gateway.errors import GatewayError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Qwen3-TTS telephony IVR media gateway.",
+    pretty_exceptions_enable=False,
+)
+model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
+app.add_typer(model_app, name="model")
+
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # transformers/qwen-tts are chatty at INFO.
+    for noisy in ("transformers", "httpx", "huggingface_hub", "faster_qwen3_tts"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _settings(**overrides: object) -> Settings:
+    values = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(**values)  # type: ignore[arg-type]
+    except Exception as exc:  # pydantic's ValidationError: print it as one message
+        raise GatewayError(f"invalid settings: {exc}") from None
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Bind address [GATEWAY_HOST].")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port [GATEWAY_PORT].")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model id or local directory [GATEWAY_MODEL].")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="auto|cpu|cuda [GATEWAY_DEVICE].")] = None,
+    insecure: Annotated[
+        bool, typer.Option("--insecure", help="Run without Twilio signature validation.")
+    ] = False,
+    public_url: Annotated[
+        str | None, typer.Option(help="Public https:// URL [GATEWAY_PUBLIC_URL].")
+    ] = None,
+) -> None:
+    """Run the gateway (HTTP webhooks + Twilio Media Streams WebSocket)."""
+    import uvicorn
+
+    from gateway.app import create_app
+
+    settings = _settings(
+        host=host, port=port, model=model, device=device, public_url=public_url,
+        insecure=True if insecure else None,
+    )
+    _setup_logging(settings.log_level)
+    settings.require_security()
+    if settings.insecure:
+        logging.getLogger("gateway").warning(
+            "--insecure: Twilio signatures are NOT validated; never expose this to the internet"
+        )
+    fastapi_app = create_app(settings)
+    config = uvicorn.Config(
+        fastapi_app,
+        host=settings.host,
+        port=settings.port,
+        ws_max_size=settings.ws_max_size,
+        log_level=settings.log_level,
+        # Slow clients must not hold sockets forever; Twilio keeps its own connections alive.
+        timeout_keep_alive=15,
+        proxy_headers=True,
+    )
+    server = uvicorn.Server(config)
+    failure: list[str] = []
+
+    def on_fatal(message: str) -> None:
+        failure.append(message)
+        server.should_exit = True
+
+    fastapi_app.state.gateway.on_fatal = on_fatal
+    server.run()
+    if failure:
+        raise GatewayError(failure[0])
+
+
+@app.command()
+def say(
+    text: Annotated[str, typer.Argument(help="What to say.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="8 kHz WAV to write.")],
+    speaker: Annotated[str | None, typer.Option(help="CustomVoice speaker.")] = None,
+    language: Annotated[str | None, typer.Option(help="Language.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model id or local directory.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto|cpu|cuda.")] = None,
+    encoding: Annotated[
+        str, typer.Option("--encoding", help="pcm (16-bit) or ulaw (G.711 mu-law) WAV.")
+    ] = "pcm",
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+) -> None:
+    """Render TEXT through the phone-audio path into an 8 kHz WAV an author can listen to."""
+    import numpy as np
+    import soundfile as sf
+
+    from gateway.audio.framer import PhonePipeline
+    from gateway.audio.g711 import ulaw_decode
+    from gateway.tts.engine import SpeechRequest
+    from gateway.tts.qwen import QwenEngine
+
+    if encoding not in ("pcm", "ulaw"):
+        raise GatewayError("--encoding must be pcm or ulaw")
+    settings = _settings(model=model, device=device, speaker=speaker, language=language)
+    _setup_logging("warning")
+    engine = QwenEngine(
+        model=settings.model, device=settings.device, dtype=settings.dtype,
+        chunk_schedule=settings.chunk_schedule,
+    )
+    request = SpeechRequest(text=text, speaker=settings.speaker, language=settings.language,
+                            instruct=settings.instruct, seed=seed)
+    pipeline = PhonePipeline(codec="pcmu")
+    frames: list[bytes] = []
+    t0 = time.perf_counter()
+    first: float | None = None
+    for chunk in engine.stream(request):
+        if first is None:
+            first = time.perf_counter() - t0
+        frames.extend(pipeline.push(chunk))
+    frames.extend(pipeline.flush())
+    total = time.perf_counter() - t0
+    pcm = ulaw_decode(b"".join(frames)).astype(np.int16)
+    subtype = "PCM_16" if encoding == "pcm" else "ULAW"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(str(output), pcm, 8000, subtype=subtype, format="WAV")
+    seconds = len(pcm) / 8000
+    typer.echo(
+        f"wrote {output}: {seconds:.2f} s of 8 kHz {encoding} audio ({len(frames)} frames); "
+        f"first chunk after {1000 * (first or 0):.0f} ms, total {total:.2f} s on {engine.device}"
+    )
+
+
+@model_app.command("tiny")
+def model_tiny(
+    directory: Annotated[Path, typer.Argument(help="Where to write the checkpoint.")],
+    kind: Annotated[str, typer.Option(help="custom_voice or base.")] = "custom_voice",
+    seed: Annotated[int, typer.Option(help="Random-weight seed.")] = 0,
+) -> None:
+    """Build a tiny random-weight Qwen3-TTS checkpoint of the real architecture (tests, smoke)."""
+    from gateway.tts.tiny import build_tiny_checkpoint
+
+    if kind not in ("custom_voice", "base"):
+        raise GatewayError("--kind must be custom_voice or base")
+    path = build_tiny_checkpoint(directory, kind=kind, seed=seed)  # type: ignore[arg-type]
+    typer.echo(f"tiny {kind} checkpoint written to {path} (random weights: it speaks noise)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code instead of exiting (for tests)."""
+    command = typer.main.get_command(app)
+    try:
+        command.main(args=argv, prog_name="gateway", standalone_mode=False)
+    except GatewayError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return 1
+    except SystemExit as exc:  # click's --help and usage errors
+        return int(exc.code or 0)
+    except Exception as exc:  # click.UsageError and friends
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            return exc.exit_code
+        raise
+    return 0
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The gateway's one settings object.
+
+Every setting can come from a ``GATEWAY_<NAME>`` environment variable (or a ``.env`` file);
+the CLI overrides a few of them with flags. See the configuration table in the README.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gateway.errors import ConfigError
+
+
+class Settings(BaseSettings):
+    """Gateway settings (env prefix ``GATEWAY_``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="GATEWAY_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+    )
+
+    host: str = Field("0.0.0.0", description="Address the HTTP/WebSocket server binds.")
+    port: int = Field(8080, ge=0, le=65535, description="HTTP/WebSocket port.")
+    model: str = Field(
+        "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice",
+        description="Hugging Face model id or local checkpoint directory (CustomVoice model).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the model runs; auto picks CUDA when a GPU exists."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Model dtype; auto = bfloat16 on CUDA, float32 on CPU."
+    )
+    chunk_schedule: str = Field(
+        "1,2,4,8",
+        description="Codec frames (80 ms each) per streamed chunk; the last entry repeats.",
+    )
+    public_url: str | None = Field(
+        None,
+        description="Public https:// base URL Twilio reaches (behind the load balancer). "
+        "Used for the <Stream> URL and to validate X-Twilio-Signature.",
+    )
+    twilio_auth_token: SecretStr | None = Field(
+        None, description="Twilio auth token used to validate X-Twilio-Signature."
+    )
+    insecure: bool = Field(
+        False, description="Skip Twilio signature validation (local testing only)."
+    )
+    speaker: str = Field("ryan", description="CustomVoice speaker.")
+    language: str = Field("English", description="Language passed to Qwen3-TTS.")
+    instruct: str | None = Field(None, description="Optional style instruction (1.7B only).")
+    seed: int | None = Field(None, description="Sampling seed (reproducible prompts).")
+    greeting: str = Field(
+        "Thank you for calling. This line is powered by Qwen text to speech. "
+        "Press any key on your phone and I will read it back to you.",
+        description="What the caller hears on answer.",
+    )
+    max_message_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest accepted Media Streams message."
+    )
+    ws_max_size: int = Field(
+        1024 * 1024, ge=1024, description="WebSocket frame limit enforced by the server."
+    )
+    frames_per_message: int = Field(
+        50, ge=1, le=500, description="Max 20 ms frames batched into one outbound media message."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("public_url")
+    @classmethod
+    def _check_public_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("https", "http") or not parts.netloc:
+            raise ValueError("public_url must look like https://ivr.example.com")
+        return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+
+    def require_security(self) -> None:
+        """Refuse to run without a Twilio auth token unless ``insecure`` was asked for."""
+        token = self.twilio_auth_token.get_secret_value() if self.twilio_auth_token else ""
+        if not token and not self.insecure:
+            raise ConfigError(
+                "no Twilio auth token: set GATEWAY_TWILIO_AUTH_TOKEN so webhook and WebSocket "
+                "signatures can be validated, or pass --insecure (GATEWAY_INSECURE=1) to run "
+                "without validation on a trusted network"
+            )

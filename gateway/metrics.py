@@ -1,0 +1,55 @@
+"""Prometheus metrics, one registry per app (tests build many apps in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# First audio: tens of milliseconds on a GPU, seconds on a CPU; buckets span both.
+_LATENCY_BUCKETS = (0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10)
+
+
+class Metrics:
+    """The gateway's metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.calls_active = Gauge(
+            "gateway_calls_active", "Calls in progress.", ["transport"], registry=r
+        )
+        self.calls_total = Counter(
+            "gateway_calls_total", "Calls started.", ["transport"], registry=r
+        )
+        self.calls_closed_by_error = Counter(
+            "gateway_calls_protocol_errors_total",
+            "Calls closed because of a malformed or disallowed message.",
+            ["transport", "reason"],
+            registry=r,
+        )
+        self.first_audio = Histogram(
+            "gateway_first_audio_seconds",
+            "Caller's turn (answer, DTMF) to the first 20 ms frame sent.",
+            ["transport"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.barge_ins = Counter(
+            "gateway_barge_ins_total", "Utterances stopped by the caller.", ["transport"],
+            registry=r,
+        )
+        self.signature_rejections = Counter(
+            "gateway_signature_rejections_total",
+            "Requests refused for a missing or bad X-Twilio-Signature.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.tts_busy_slots = Gauge(
+            "gateway_tts_busy_slots", "Engine slots generating now.", registry=r
+        )
+        self.tts_queue_depth = Gauge(
+            "gateway_tts_queue_depth", "Generations waiting for a slot.", registry=r
+        )
+
+    def render(self) -> bytes:
+        """Exposition-format text of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,92 @@
+"""Twilio HTTP and WebSocket entry points.
+
+- ``POST /twilio/voice``: the number's voice webhook. Returns ``<Connect><Stream>`` TwiML that
+  opens the bidirectional Media Stream to ``wss://<public host>/twilio/media``.
+- ``POST /twilio/after-stream``: the ``<Connect action>``; Twilio requests it once the stream
+  ends. Returns what the call does next (hang up, for now).
+- ``WS /twilio/media``: the Media Stream itself.
+
+Every entry validates X-Twilio-Signature; a bad or missing one gets 403 and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Request, WebSocket
+from fastapi.responses import Response
+from twilio.twiml.voice_response import Connect, VoiceResponse
+
+from gateway.twilio.session import Dialog, TwilioSession
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayState
+
+log = logging.getLogger(__name__)
+
+#: Call fields forwarded to the stream as <Parameter>s (they arrive in ``start.customParameters``).
+FORWARDED_PARAMS = ("CallSid", "From", "To", "Direction")
+
+
+def _twiml(response: VoiceResponse) -> Response:
+    return Response(content=str(response), media_type="application/xml")
+
+
+def _forbidden() -> Response:
+    return Response(status_code=403, content="invalid or missing X-Twilio-Signature\n",
+                    media_type="text/plain")
+
+
+def build_router(state: GatewayState, dialog: Dialog) -> APIRouter:
+    """Routes bound to one gateway's state."""
+    router = APIRouter(prefix="/twilio")
+    checker = state.signatures
+
+    @router.post("/voice")
+    async def voice(request: Request) -> Response:
+        form = await request.form()
+        if not checker.check(request, form, websocket=False):
+            state.metrics.signature_rejections.labels("voice").inc()
+            log.warning("POST /twilio/voice refused: bad X-Twilio-Signature from %s",
+                        request.client.host if request.client else "?")
+            return _forbidden()
+        base = checker.base_url(request)
+        ws_base = "wss" + base[5:] if base.startswith("https") else "ws" + base[4:]
+        response = VoiceResponse()
+        connect = Connect(action=f"{base}/twilio/after-stream")
+        stream = connect.stream(url=f"{ws_base}/twilio/media")
+        for name in FORWARDED_PARAMS:
+            value = form.get(name)
+            if isinstance(value, str) and value:
+                stream.parameter(name=name, value=value)
+        response.append(connect)
+        return _twiml(response)
+
+    @router.post("/after-stream")
+    async def after_stream(request: Request) -> Response:
+        form = await request.form()
+        if not checker.check(request, form, websocket=False):
+            state.metrics.signature_rejections.labels("after-stream").inc()
+            return _forbidden()
+        response = VoiceResponse()
+        response.hangup()
+        return _twiml(response)
+
+    @router.websocket("/media")
+    async def media(websocket: WebSocket) -> None:
+        if not checker.check(websocket, {}, websocket=True):
+            state.metrics.signature_rejections.labels("media").inc()
+            log.warning("WS /twilio/media refused: bad X-Twilio-Signature from %s",
+                        websocket.client.host if websocket.client else "?")
+            # Closing before accept makes the server answer the upgrade with HTTP 403.
+            await websocket.close(code=1008)
+            return
+        if not state.ready:
+            # Not warmed up yet: refuse rather than keep a caller in silence.
+            await websocket.close(code=1013)
+            return
+        await websocket.accept()
+        await TwilioSession(websocket, state, dialog).run()
+
+    return router

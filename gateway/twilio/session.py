@@ -1,0 +1,206 @@
+"""The Media Streams WebSocket shell: pumps messages between the socket, the protocol and a Call.
+
+It reads, feeds :class:`~gateway.twilio.protocol.MediaStreamProtocol`, dispatches the typed
+events to the :class:`~gateway.call.Call`, and writes what the call sends. A message the
+protocol rejects closes *this* socket with the error's close code and a logged reason; nothing
+here is shared with other calls except the speech service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from gateway.call import Call, Codec, Dtmf, Hangup, PlaybackDone, Voice
+from gateway.errors import CallProtocolError
+from gateway.twilio.protocol import (
+    Connected,
+    Mark,
+    Media,
+    MediaStreamProtocol,
+    OutboundClear,
+    OutboundMark,
+    Start,
+    Stop,
+)
+from gateway.twilio.protocol import (
+    Dtmf as DtmfMessage,
+)
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayState
+
+log = logging.getLogger(__name__)
+
+Dialog = Callable[[Call], Awaitable[None]]
+
+
+class TwilioTransport:
+    """:class:`~gateway.call.CallTransport` over one Media Streams socket."""
+
+    codec: Codec = "pcmu"
+
+    def __init__(self, websocket: WebSocket, protocol: MediaStreamProtocol) -> None:
+        self._ws = websocket
+        self._protocol = protocol
+        # Frames, marks and clear come from the utterance task and the receive loop; one lock
+        # keeps each message whole and in order on the socket.
+        self._lock = asyncio.Lock()
+        self.messages_sent = 0
+
+    async def _write(self, text: str) -> None:
+        async with self._lock:
+            if self._ws.application_state is WebSocketState.CONNECTED:
+                await self._ws.send_text(text)
+                self.messages_sent += 1
+
+    async def send_frames(self, frames: list[bytes]) -> None:
+        # Several 20 ms frames may share one message: its payload is still a whole number of
+        # 160-byte frames, and Twilio plays them back to back.
+        await self._write(self._protocol.media_text(b"".join(frames)))
+
+    async def send_mark(self, name: str) -> None:
+        await self._write(self._protocol.send(OutboundMark(name)))
+
+    async def clear(self) -> None:
+        await self._write(self._protocol.send(OutboundClear()))
+
+    async def hangup(self) -> None:
+        # Closing the stream makes Twilio continue with the <Connect action> URL.
+        async with self._lock:
+            if self._ws.application_state is WebSocketState.CONNECTED:
+                await self._ws.close(code=1000)
+
+
+class TwilioSession:
+    """One Media Streams connection, from ``connected`` to ``stop`` or close."""
+
+    def __init__(self, websocket: WebSocket, state: GatewayState, dialog: Dialog) -> None:
+        self.ws = websocket
+        self.state = state
+        self.dialog = dialog
+        self.protocol = MediaStreamProtocol(max_message_bytes=state.settings.max_message_bytes)
+        self.transport = TwilioTransport(websocket, self.protocol)
+        self.call: Call | None = None
+        self._dialog_task: asyncio.Task[None] | None = None
+        self.inbound_frames = 0
+
+    @property
+    def label(self) -> str:
+        return self.protocol.call_sid or self.protocol.stream_sid or f"ws-{id(self):x}"
+
+    async def run(self) -> None:
+        """Pump until the stream stops, the socket closes or a message is rejected."""
+        metrics = self.state.metrics
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    log.info("call %s: socket closed by peer (code %s)", self.label,
+                             message.get("code"))
+                    return
+                data = message.get("text")
+                if data is None:
+                    data = message.get("bytes") or b""
+                event = self.protocol.receive(data)
+                if not await self._dispatch(event):
+                    return
+        except CallProtocolError as exc:
+            metrics.calls_closed_by_error.labels("twilio", type(exc).__name__).inc()
+            log.warning("call %s: closing stream: %s (close code %d)", self.label, exc.reason,
+                        exc.close_code)
+            await self._close(exc.close_code, exc.reason)
+        except WebSocketDisconnect as exc:
+            log.info("call %s: socket gone (code %s)", self.label, exc.code)
+        finally:
+            await self._end()
+
+    async def _dispatch(self, event: object) -> bool:
+        """Act on one inbound event; False when the stream is over."""
+        if isinstance(event, Media):
+            # Inbound caller audio: 20 ms of mu-law. Nothing consumes it yet (speech barge-in
+            # comes with the IVR work); counting keeps the per-frame path to a few operations.
+            self.inbound_frames += 1
+            return True
+        call = self.call
+        if isinstance(event, DtmfMessage):
+            if call is not None:
+                call.deliver(Dtmf(event.dtmf.digit, at=time.monotonic()))
+            return True
+        if isinstance(event, Mark):
+            if call is not None:
+                call.deliver(PlaybackDone(event.mark.name))
+            return True
+        if isinstance(event, Start):
+            self._start(event)
+            return True
+        if isinstance(event, Stop):
+            log.info("call %s: stream stopped by Twilio", self.label)
+            return False
+        assert isinstance(event, Connected)
+        return True
+
+    def _start(self, event: Start) -> None:
+        settings = self.state.settings
+        meta = event.start
+        voice = Voice(
+            speaker=meta.customParameters.get("speaker", settings.speaker),
+            language=meta.customParameters.get("language", settings.language),
+            instruct=settings.instruct,
+            seed=settings.seed,
+        )
+        metrics = self.state.metrics
+        self.call = Call(
+            meta.callSid,
+            self.transport,
+            self.state.speech_service,
+            voice,
+            metrics=metrics,
+            transport_name="twilio",
+            max_frames_per_send=settings.frames_per_message,
+        )
+        self.state.calls[meta.callSid] = self.call
+        metrics.calls_total.labels("twilio").inc()
+        metrics.calls_active.labels("twilio").inc()
+        log.info("call %s: stream %s started (params %s)", meta.callSid, meta.streamSid,
+                 sorted(meta.customParameters))
+        self._dialog_task = asyncio.create_task(self._run_dialog(self.call))
+
+    async def _run_dialog(self, call: Call) -> None:
+        try:
+            await self.dialog(call)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("call %s: dialog failed; hanging up", call.call_id)
+            await call.close()
+            await self.transport.hangup()
+
+    async def _close(self, code: int, reason: str) -> None:
+        if self.ws.application_state is WebSocketState.CONNECTED:
+            try:
+                # Close reasons are limited to 123 bytes (RFC 6455 section 5.5).
+                await self.ws.close(code=code, reason=reason.encode()[:120].decode(errors="ignore"))
+            except Exception:
+                pass
+
+    async def _end(self) -> None:
+        call = self.call
+        if call is not None:
+            call.deliver(Hangup("stream ended"))
+            await call.close()
+            self.state.calls.pop(call.call_id, None)
+            self.state.metrics.calls_active.labels("twilio").dec()
+        task = self._dialog_task
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self._close(1000, "stream ended")

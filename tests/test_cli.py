@@ -1,0 +1,88 @@
+"""The ``gateway`` command, called in-process through ``main(argv)``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from gateway.cli import main
+
+
+def test_model_tiny_builds_a_loadable_checkpoint(tmp_path: Path) -> None:
+    target = tmp_path / "tiny"
+    assert main(["model", "tiny", str(target)]) == 0
+    assert (target / "model.safetensors").exists()
+    assert (target / "speech_tokenizer" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(("encoding", "subtype"), [("pcm", "PCM_16"), ("ulaw", "ULAW")])
+def test_say_renders_an_8khz_wav_through_the_phone_path(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    encoding: str,
+    subtype: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / f"prompt-{encoding}.wav"
+    code = main(
+        [
+            "say",
+            "Press one for billing.",
+            "-o",
+            str(out),
+            "--model",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--encoding",
+            encoding,
+            "--seed",
+            "3",
+        ]
+    )
+    assert code == 0
+    info = sf.info(str(out))
+    assert info.samplerate == 8000 and info.channels == 1 and info.subtype == subtype
+    audio, _ = sf.read(str(out), dtype="int16")
+    assert len(audio) % 160 == 0 and len(audio) >= 160
+    assert np.abs(audio.astype(np.int32)).max() > 100  # noise from random weights, not silence
+    assert "first chunk after" in capsys.readouterr().out
+
+
+def test_say_rejects_an_unknown_encoding(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["say", "Hi.", "-o", str(tmp_path / "x.wav"), "--encoding", "mp3"]) == 1
+    assert "--encoding must be pcm or ulaw" in capsys.readouterr().err
+
+
+def test_serve_refuses_to_start_without_an_auth_token(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("GATEWAY_TWILIO_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("GATEWAY_INSECURE", raising=False)
+    monkeypatch.chdir(Path(__file__).parent)  # no stray .env file
+    assert main(["serve", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "GATEWAY_TWILIO_AUTH_TOKEN" in err and "--insecure" in err
+
+
+def test_serve_exits_nonzero_when_the_model_cannot_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing-model"
+    code = main(
+        ["serve", "--insecure", "--host", "127.0.0.1", "--port", "0", "--model", str(missing)]
+    )
+    assert code == 1
+    assert f"local directory {missing} does not exist" in capsys.readouterr().err
+
+
+def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("serve", "say", "model"):
+        assert command in out
