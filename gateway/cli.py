@@ -34,7 +34,9 @@ def _setup_logging(level: str) -> None:
         stream=sys.stderr,
     )
     # transformers/qwen-tts are chatty at INFO.
-    for noisy in ("transformers", "httpx", "huggingface_hub", "faster_qwen3_tts"):
+    for noisy in (
+        "transformers", "httpx", "huggingface_hub", "faster_qwen3_tts", "qwen_tts", "sox"
+    ):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -6,6 +6,7 @@ real qwen-tts code path (random tiny weights, so the audio is noise of the right
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import xml.etree.ElementTree as ET
@@ -210,3 +211,28 @@ def test_health_and_readiness(live_gateway: LiveServer) -> None:
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
     metrics = httpx.get(f"{live_gateway.base_url}/metrics").text
     assert "gateway_first_audio_seconds" in metrics
+
+
+@pytest.mark.parametrize("how", ["stop", "socket-close"])
+async def test_hanging_up_mid_utterance_stops_its_generation(
+    live_gateway: LiveServer, how: str
+) -> None:
+    stats = live_gateway.state.speech_service.stats
+    cancelled_before = stats.cancelled
+    call = FakeTwilioCall(live_gateway.ws_url, AUTH_TOKEN, call_sid="CA" + "f" * 32,
+                          stream_sid="MZ" + "f" * 32)
+    await call.connect()
+    await call.start()
+    await call.wait_for(lambda: call.events("media"), timeout=60)
+    greeting = live_gateway.state.calls[call.call_sid].utterances[0]
+    assert not greeting.generated.is_set()
+    if how == "stop":
+        await call.send_stop()
+    await call.close()
+    deadline = time.monotonic() + 10
+    while stats.cancelled == cancelled_before and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert stats.cancelled == cancelled_before + 1
+    assert greeting.interrupted
+    assert call.call_sid not in live_gateway.state.calls
+    assert live_gateway.state.speech_service.busy_slots == 0

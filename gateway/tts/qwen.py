@@ -348,7 +348,8 @@ def resolve_model(model: str) -> str:
     """
     if model != TINY_ALIAS:
         return model
-    from gateway.tts.tiny import build_tiny_checkpoint
+    with _quiet_stdout():
+        from gateway.tts.tiny import build_tiny_checkpoint
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen3-tts-gateway"
     target = cache / "tiny-custom_voice"
