@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,19 +31,25 @@ from gateway.twilio.signature import SignatureChecker
 
 log = logging.getLogger(__name__)
 
-EngineFactory = Callable[[Settings], Engine]
+EngineFactory = Callable[[Settings], Sequence[Engine]]
 
 
-def default_engine_factory(settings: Settings) -> Engine:
-    """The real engine: Qwen3-TTS loaded with ``from_pretrained`` of ``settings.model``."""
-    from gateway.tts.qwen import QwenEngine
+def default_engine_factory(settings: Settings) -> list[Engine]:
+    """The real engines: Qwen3-TTS loaded once with ``from_pretrained`` of ``settings.model``,
+    then ``settings.slots`` slots over the shared weights."""
+    from gateway.tts.qwen import QwenEngine, QwenModel
 
-    return QwenEngine(
-        model=settings.model,
-        device=settings.device,
-        dtype=settings.dtype,
-        chunk_schedule=settings.chunk_schedule,
-    )
+    shared = QwenModel(settings.model, device=settings.device, dtype=settings.dtype)
+    return [
+        QwenEngine(
+            shared,
+            chunk_schedule=settings.chunk_schedule,
+            max_seq_len=settings.max_seq_len,
+            codec_decode=settings.codec_decode,
+            trim_leading_silence=settings.trim_leading_silence,
+        )
+        for _ in range(settings.slots)
+    ]
 
 
 @dataclass
@@ -112,10 +118,6 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        speech = state.speech
-        if speech is not None:
-            state.metrics.tts_busy_slots.set(speech.busy_slots)
-            state.metrics.tts_queue_depth.set(speech.queued)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     app.include_router(build_router(state, dialog))
@@ -129,9 +131,12 @@ async def _greeter_dialog(call: Call, greeting: str) -> None:
 async def _load(state: GatewayState, engine_factory: EngineFactory) -> None:
     """Load and warm the engine off the event loop, then mark the gateway ready."""
     t0 = time.monotonic()
+    settings = state.settings
     try:
-        engine = await asyncio.to_thread(engine_factory, state.settings)
-        await asyncio.to_thread(engine.warmup)
+        engines = list(await asyncio.to_thread(engine_factory, settings))
+        # Every slot warms up (graph capture is per slot), each with every configured voice.
+        for engine in engines:
+            await asyncio.to_thread(engine.warmup, settings.voices())
     except asyncio.CancelledError:
         raise
     except GatewayError as exc:
@@ -141,11 +146,18 @@ async def _load(state: GatewayState, engine_factory: EngineFactory) -> None:
         log.exception("engine start-up failed")
         _fail(state, f"engine start-up failed: {exc}")
         return
-    speech = SpeechService([engine])
+    speech = SpeechService(
+        engines,
+        metrics=state.metrics,
+        first_audio_budget_s=settings.first_audio_budget_ms / 1000,
+        ahead_high_s=settings.ahead_high_ms / 1000,
+        ahead_low_s=settings.ahead_low_ms / 1000,
+    )
     speech.start()
     state.speech = speech
     state.ready = True
-    log.info("ready: %s (load + warm-up %.1f s)", engine.name, time.monotonic() - t0)
+    log.info("ready: %s x%d slot(s) (load + warm-up %.1f s)", engines[0].name, len(engines),
+             time.monotonic() - t0)
 
 
 def _fail(state: GatewayState, message: str) -> None:

@@ -52,6 +52,15 @@ class PlaybackDone:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeechFailed:
+    """An utterance could not be generated (engine error); the dialog decides what to say."""
+
+    utterance_id: str
+    reason: str
+    at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
 class Hangup:
     """The caller (or the network) ended the call."""
 
@@ -59,7 +68,7 @@ class Hangup:
     at: float = field(default_factory=time.monotonic)
 
 
-CallEvent = Dtmf | PlaybackDone | Hangup
+CallEvent = Dtmf | PlaybackDone | SpeechFailed | Hangup
 
 
 class CallTransport(Protocol):
@@ -242,7 +251,7 @@ class Call:
         pipeline = self._pipeline
         pipeline.reset()
         try:
-            stream = self.speech.stream(request)
+            stream = self.speech.stream(request, turn_started_at=utterance.turn_started_at)
             utterance.stream = stream
             async for chunk in stream:
                 frames = pipeline.push(chunk)
@@ -257,6 +266,12 @@ class Call:
             utterance.error = str(exc)
             log.warning("call %s: %s failed: %s", self.call_id, utterance.id, exc)
             pipeline.reset()
+            if self._metrics is not None:
+                self._metrics.speech_failures.labels(self._transport_name).inc()
+            # Whatever was sent of it is incomplete: drop it at the far end too.
+            if utterance.frames_sent:
+                await self.transport.clear()
+            self.events.put_nowait(SpeechFailed(utterance.id, str(exc)))
             return
         finally:
             utterance.generated.set()

@@ -130,7 +130,8 @@ def say(
     _setup_logging("warning")
     engine = QwenEngine(
         model=settings.model, device=settings.device, dtype=settings.dtype,
-        chunk_schedule=settings.chunk_schedule,
+        chunk_schedule=settings.chunk_schedule, max_seq_len=settings.max_seq_len,
+        codec_decode=settings.codec_decode, trim_leading_silence=settings.trim_leading_silence,
     )
     request = SpeechRequest(text=text, speaker=settings.speaker, language=settings.language,
                             instruct=settings.instruct, seed=seed)

@@ -38,6 +38,33 @@ class Settings(BaseSettings):
         "1,2,4,8",
         description="Codec frames (80 ms each) per streamed chunk; the last entry repeats.",
     )
+    slots: int = Field(
+        1, ge=1, le=64,
+        description="Engine slots per GPU: concurrent generations, each with its own KV cache "
+        "and CUDA graphs over shared weights.",
+    )
+    codec_decode: Literal["incremental", "windowed"] = Field(
+        "incremental",
+        description="Codec decoding per chunk: carry the decoder state (incremental) or "
+        "re-decode 25 frames of left context each chunk (windowed, faster-qwen3-tts's way).",
+    )
+    trim_leading_silence: bool = Field(
+        True, description="Drop the silence before speech onset in each utterance's first chunk."
+    )
+    max_seq_len: int | None = Field(
+        None, ge=128, description="Talker static-cache length (default 2048 on CUDA, 1024 on CPU)."
+    )
+    first_audio_budget_ms: int = Field(
+        200, ge=1, description="First-audio target; queued turns are served by this deadline."
+    )
+    ahead_high_ms: int = Field(
+        1000, ge=0,
+        description="A turn with this much audio generated ahead of playback pauses between "
+        "chunks while another turn waits for its first audio.",
+    )
+    ahead_low_ms: int = Field(
+        500, ge=0, description="A paused turn resumes once its lead is down to this."
+    )
     public_url: str | None = Field(
         None,
         description="Public https:// base URL Twilio reaches (behind the load balancer). "
@@ -88,3 +115,7 @@ class Settings(BaseSettings):
                 "signatures can be validated, or pass --insecure (GATEWAY_INSECURE=1) to run "
                 "without validation on a trusted network"
             )
+
+    def voices(self) -> list[tuple[str, str]]:
+        """The ``(speaker, language)`` voices this gateway speaks with (warmed up at start)."""
+        return [(self.speaker, self.language)]

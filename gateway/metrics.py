@@ -49,6 +49,31 @@ class Metrics:
         self.tts_queue_depth = Gauge(
             "gateway_tts_queue_depth", "Generations waiting for a slot.", registry=r
         )
+        self.tts_queue_wait = Histogram(
+            "gateway_tts_queue_wait_seconds", "Submission to a slot starting the turn.",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.tts_cancel_to_free = Histogram(
+            "gateway_tts_cancel_to_free_seconds", "Cancel (hang-up, barge-in) to the slot free.",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.tts_underruns = Counter(
+            "gateway_tts_underruns_total",
+            "Chunks that arrived after the previous audio would have finished playing.",
+            registry=r,
+        )
+        self.tts_failures = Counter(
+            "gateway_tts_failures_total", "Turns failed by an error inside the engine.",
+            registry=r,
+        )
+        self.tts_slots_healthy = Gauge(
+            "gateway_tts_slots_healthy", "Engine slots in service (failed rebuilds retire one).",
+            registry=r,
+        )
+        self.speech_failures = Counter(
+            "gateway_speech_failures_total", "Utterances a caller did not hear because TTS failed.",
+            ["transport"], registry=r,
+        )
 
     def render(self) -> bytes:
         """Exposition-format text of every metric."""

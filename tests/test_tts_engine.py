@@ -193,7 +193,7 @@ class _FailingEngine(Engine):
     speakers = ("ryan",)
     languages = ("English",)
 
-    def stream(self, request: SpeechRequest):  # type: ignore[no-untyped-def]
+    def stream(self, request: SpeechRequest, should_stop=None):  # type: ignore[no-untyped-def]
         yield np.zeros(SAMPLES_PER_FRAME, dtype=np.float32)
         raise RuntimeError("CUDA error: device-side assert triggered")
 

@@ -10,11 +10,12 @@ import asyncio
 import base64
 import time
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import httpx
 import pytest
 import websockets
-from conftest import AUTH_TOKEN, LiveServer
+from conftest import AUTH_TOKEN, LiveServer, serve
 from twilio.request_validator import RequestValidator
 from twilio_client import FakeTwilioCall
 
@@ -236,3 +237,44 @@ async def test_hanging_up_mid_utterance_stops_its_generation(
     assert greeting.interrupted
     assert call.call_sid not in live_gateway.state.calls
     assert live_gateway.state.speech_service.busy_slots == 0
+
+
+async def test_an_engine_failure_fails_the_turn_and_the_caller_hears_an_apology(
+    tiny_model_dir: Path,
+) -> None:
+    from gateway.demo import APOLOGY
+    from gateway.tts.qwen import QwenEngine
+
+    greeting = "This greeting will fail halfway."
+
+    class Faulty(QwenEngine):
+        def stream(self, request, should_stop=None):  # type: ignore[no-untyped-def]
+            inner = super().stream(request, should_stop)
+
+            def gen():  # type: ignore[no-untyped-def]
+                for index, chunk in enumerate(inner):
+                    if request.text == greeting and index == 2:
+                        raise RuntimeError("injected engine failure")
+                    yield chunk
+
+            return gen()
+
+    def factory(settings):  # type: ignore[no-untyped-def]
+        return [Faulty(str(tiny_model_dir), device="cpu")]
+
+    with serve({"model": str(tiny_model_dir), "greeting": greeting}, factory) as live:
+        async with FakeTwilioCall(live.ws_url, AUTH_TOKEN, call_sid="CA" + "9" * 32,
+                                  stream_sid="MZ" + "9" * 32) as call:
+            await call.start()
+            server_call = await call.wait_for(lambda: live.state.calls.get(call.call_sid))
+            apology = await call.wait_for(
+                lambda: len(server_call.utterances) > 1 and server_call.utterances[1], timeout=30)
+            assert apology.text == APOLOGY
+            assert "injected engine failure" in (server_call.utterances[0].error or "")
+            # The failed greeting's partial audio is cleared; the apology plays and is marked.
+            await call.wait_for(lambda: call.events("clear"), timeout=10)
+            await call.wait_for(
+                lambda: [r for r in call.events("mark") if r.message["mark"]["name"] == apology.id],
+                timeout=60)
+            assert not call.closed.is_set()
+            assert live.state.speech_service.stats.failed == 1

@@ -11,7 +11,7 @@ a time (faster-qwen3-tts holds one static KV cache per instance); the scheduler 
 from __future__ import annotations
 
 import abc
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +29,9 @@ class SpeechRequest:
     ``speaker``/``language``/``instruct`` select a CustomVoice voice and style; ``seed`` makes
     sampling reproducible (the prompt cache keys on it). ``max_frames`` caps the codec frames
     generated (12.5 per second of audio) so a model that never emits EOS cannot babble forever;
-    ``None`` lets the engine derive a cap from the text length.
+    ``None`` lets the engine derive a cap from the text length. ``min_frames`` suppresses the
+    end-of-speech token until that many frames exist (benchmarks force a fixed length with it:
+    random weights would otherwise stop at random points).
     """
 
     text: str
@@ -38,6 +40,7 @@ class SpeechRequest:
     instruct: str | None = None
     seed: int | None = None
     max_frames: int | None = None
+    min_frames: int | None = None
     #: Free-form labels carried to logs and metrics (call id, turn id); not used by engines.
     tags: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -63,17 +66,27 @@ class Engine(abc.ABC):
         """Language names this engine accepts (as Qwen3-TTS spells them, e.g. ``English``)."""
 
     @abc.abstractmethod
-    def stream(self, request: SpeechRequest) -> Generator[np.ndarray, None, None]:
+    def stream(
+        self, request: SpeechRequest, should_stop: Callable[[], bool] | None = None
+    ) -> Generator[np.ndarray, None, None]:
         """Yield 24 kHz mono float32 chunks in [-1, 1] for ``request``.
 
         The first chunk is yielded as soon as its codec frames are decoded. Closing the
-        generator stops generation at the next chunk boundary.
+        generator stops generation at the next chunk boundary; ``should_stop`` (polled between
+        codec frames by engines that can) stops it sooner, inside a chunk.
         """
 
-    def warmup(self) -> None:
-        """Run whatever must run before the first caller (graph capture, one generation)."""
-        for _ in self.stream(SpeechRequest(text="Warm up.", max_frames=4)):
-            pass
+    def warmup(self, voices: Sequence[tuple[str, str]] = ()) -> None:
+        """Run whatever must run before the first caller: graph capture, then one generation
+        per configured ``(speaker, language)`` voice."""
+        for speaker, language in voices or [("ryan", "English")]:
+            request = SpeechRequest(text="Warm up.", speaker=speaker, language=language,
+                                    max_frames=4)
+            for _ in self.stream(request):
+                pass
+
+    def rebuild(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op by default
+        """Reset per-slot state after a failure inside the engine (default: nothing to do)."""
 
     def validate(self, request: SpeechRequest) -> None:
         """Raise ``ValueError`` with a clear message if the request cannot be served."""

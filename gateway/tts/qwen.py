@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
@@ -28,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from gateway.audio.condition import LeadingSilenceTrimmer
 from gateway.errors import EngineError, ModelLoadError
+from gateway.tts.codec_stream import StreamingCodecDecoder
 from gateway.tts.engine import SAMPLES_PER_FRAME, Engine, SpeechRequest
 
 log = logging.getLogger(__name__)
@@ -105,237 +108,6 @@ def default_max_frames(text: str) -> int:
     return math.ceil(seconds * 12.5)
 
 
-class QwenEngine(Engine):
-    """Streaming Qwen3-TTS (CustomVoice) on CUDA graphs, or the same loop eager on CPU."""
-
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        device: str = "auto",
-        dtype: str = "auto",
-        chunk_schedule: str | Sequence[int] = DEFAULT_CHUNK_SCHEDULE,
-        max_seq_len: int = 2048,
-        attn_implementation: str = "sdpa",
-    ) -> None:
-        model = resolve_model(model)
-        self.model_id = model
-        self.device = resolve_device(device)
-        self.chunk_schedule = parse_chunk_schedule(chunk_schedule)
-        self.max_seq_len = max_seq_len
-        self._wrapper, self._base = _load(
-            model, self.device, dtype, max_seq_len=max_seq_len, attn=attn_implementation
-        )
-        inner = self._base.model
-        self._speakers = tuple(sorted(s.lower() for s in (inner.get_supported_speakers() or [])))
-        self._languages = tuple(
-            sorted(lang.capitalize() for lang in (inner.get_supported_languages() or []))
-        )
-        self._model_type = str(inner.tts_model_type)
-        self._model_size = str(inner.tts_model_size)
-
-    # --- Engine API ---------------------------------------------------------------------------
-
-    @property
-    def name(self) -> str:
-        return f"qwen3-tts {self.model_id} on {self.device}"
-
-    @property
-    def speakers(self) -> Sequence[str]:
-        return self._speakers
-
-    @property
-    def languages(self) -> Sequence[str]:
-        return self._languages
-
-    def warmup(self) -> None:
-        """Capture CUDA graphs (GPU) / build static caches (CPU) and run one short generation."""
-        t0 = time.perf_counter()
-        speaker = self._speakers[0] if self._speakers else "ryan"
-        request = SpeechRequest(text="Hello.", speaker=speaker, language="English", max_frames=8)
-        for _ in self.stream(request):
-            pass
-        log.info("engine warm: %s in %.2f s", self.name, time.perf_counter() - t0)
-
-    def stream(self, request: SpeechRequest) -> Generator[np.ndarray, None, None]:
-        if self._model_type != "custom_voice":
-            raise EngineError(
-                f"{self.model_id} is a {self._model_type!r} model; the gateway speaks with a "
-                "CustomVoice model (e.g. Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)"
-            )
-        try:
-            self.validate(request)
-        except ValueError as exc:
-            raise EngineError(str(exc)) from None
-        return self._stream(request)
-
-    # --- the loop -----------------------------------------------------------------------------
-
-    def _stream(self, request: SpeechRequest) -> Generator[np.ndarray, None, None]:
-        import torch
-
-        with torch.inference_mode():
-            if request.seed is not None:
-                torch.manual_seed(request.seed)
-            # 0.6B models ignore instruct (faster-qwen3-tts drops it for "0b6" too).
-            instruct = request.instruct if self._model_size != "0b6" else None
-            _m, talker, config, tie, tam, tth, tpe = self._wrapper._prepare_generation_custom(
-                text=request.text,
-                language=request.language,
-                speaker=request.speaker.lower(),
-                instruct=instruct,
-                non_streaming_mode=True,
-            )
-            max_frames = request.max_frames or default_max_frames(request.text)
-            codes = self._generate_codes(talker, config, tie, tam, tth, tpe, max_frames)
-            try:
-                yield from self._decode_chunks(codes)
-            finally:
-                codes.close()
-
-    def _generate_codes(
-        self,
-        talker: Any,
-        config: Any,
-        talker_input_embeds: Any,
-        attention_mask: Any,
-        trailing_text_hiddens: Any,
-        tts_pad_embed: Any,
-        max_frames: int,
-    ) -> Generator[Any, None, None]:
-        """Yield ``[n, 16]`` codec-id tensors following the chunk schedule.
-
-        Mirrors ``faster_qwen3_tts.streaming.fast_generate_streaming`` (0.2.6): prefill through
-        the HF forward, copy its KV into the static cache, then per frame one code-predictor
-        graph replay and one talker graph replay.
-        """
-        import torch
-        from faster_qwen3_tts.sampling import apply_repetition_penalty, sample_logits
-
-        w = self._wrapper
-        predictor_graph, talker_graph = w.predictor_graph, w.talker_graph
-        on_cuda = self.device.startswith("cuda")
-        # Sampling defaults of faster-qwen3-tts / qwen-tts generate_config.
-        temperature, top_k, top_p, repetition_penalty, min_new_tokens = 0.9, 50, 1.0, 1.05, 2
-
-        eos_id = int(config.codec_eos_token_id)
-        vocab_size = int(config.vocab_size)
-        device = talker_input_embeds.device
-        # The top 1024 ids of the codec vocabulary are control tokens; only EOS may be sampled.
-        suppress_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        suppress_mask[max(0, vocab_size - 1024) :] = True
-        suppress_mask[eos_id] = False
-
-        predictor = talker.code_predictor
-        talker_codec_embed = talker.get_input_embeddings()
-        talker_codec_head = talker.codec_head
-        predictor_codec_embeds = predictor.get_input_embeddings()
-        num_code_groups = int(config.num_code_groups)
-
-        out = talker.forward(
-            inputs_embeds=talker_input_embeds,
-            attention_mask=attention_mask,
-            use_cache=True,
-            output_hidden_states=True,
-            return_dict=True,
-            trailing_text_hidden=trailing_text_hiddens,
-            tts_pad_embed=tts_pad_embed,
-            generation_step=None,
-            past_hidden=None,
-            past_key_values=None,
-        )
-        past_hidden = out.past_hidden
-        gen_step = out.generation_step
-        token = sample_logits(
-            out.logits[:, -1, :],
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            do_sample=True,
-            suppress_mask=suppress_mask,
-            suppress_tokens=[eos_id],
-        )
-        prefill_len = talker_graph.prefill_kv(out.past_key_values)
-        talker_graph.set_generation_state(attention_mask, getattr(talker, "rope_deltas", None))
-        max_frames = min(max_frames, talker_graph.max_seq_len - 1 - prefill_len)
-
-        schedule = self.chunk_schedule
-        chunk_index = 0
-        target = schedule[0]
-        buffer: list[Any] = []
-        history: list[Any] = []
-        for step in range(max_frames):
-            if int(token.item()) == eos_id:
-                break
-            last_id_hidden = talker_codec_embed(token.unsqueeze(1))
-            pred_input = torch.cat((past_hidden, last_id_hidden), dim=1)
-            codebook_ids = predictor_graph.run(pred_input)
-            buffer.append(torch.cat([token.view(1), codebook_ids]))
-            history.append(token)
-
-            if len(buffer) >= target:
-                if on_cuda:
-                    torch.cuda.synchronize()
-                yield torch.stack(buffer)
-                buffer = []
-                chunk_index += 1
-                target = schedule[min(chunk_index, len(schedule) - 1)]
-
-            if step == max_frames - 1:
-                break
-            codec_hiddens = [last_id_hidden]
-            for i in range(num_code_groups - 1):
-                codec_hiddens.append(predictor_codec_embeds[i](codebook_ids[i].view(1, 1)))
-            inputs_embeds = torch.cat(codec_hiddens, dim=1).sum(1, keepdim=True)
-            if gen_step < trailing_text_hiddens.shape[1]:
-                inputs_embeds = inputs_embeds + trailing_text_hiddens[:, gen_step].unsqueeze(1)
-            else:
-                inputs_embeds = inputs_embeds + tts_pad_embed
-            hidden_states = talker_graph.run(inputs_embeds, position=prefill_len + step)
-            logits = talker_codec_head(hidden_states[:, -1, :]).unsqueeze(0)
-            if repetition_penalty != 1.0:
-                logits = apply_repetition_penalty(logits, torch.stack(history), repetition_penalty)
-            token = sample_logits(
-                logits.squeeze(0),
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                do_sample=True,
-                suppress_mask=suppress_mask,
-                suppress_tokens=[eos_id] if len(history) < min_new_tokens else None,
-            )
-            past_hidden = hidden_states[:, -1:, :].clone()
-            gen_step += 1
-        if buffer:
-            if on_cuda:
-                torch.cuda.synchronize()
-            yield torch.stack(buffer)
-
-    def _decode_chunks(
-        self, codes: Generator[Any, None, None]
-    ) -> Generator[np.ndarray, None, None]:
-        """Decode each chunk of codec frames with up to 25 frames of left context.
-
-        The 12 Hz codec decodes exactly 1920 samples per frame, so the new audio is the last
-        ``n_new * 1920`` samples of the window's output.
-        """
-        import torch
-
-        tokenizer = self._base.model.speech_tokenizer
-        frames: list[Any] = []
-        for chunk in codes:
-            frames.append(chunk)
-            all_codes = torch.cat(frames, dim=0)
-            n_new = int(chunk.shape[0])
-            window = all_codes[-(n_new + CODEC_LEFT_CONTEXT) :]
-            wavs, _sr = tokenizer.decode({"audio_codes": window.unsqueeze(0)})
-            audio = np.asarray(wavs[0], dtype=np.float32).reshape(-1)
-            new = audio[-n_new * SAMPLES_PER_FRAME :]
-            # Keep only what later windows can still reach; the list would grow per frame.
-            if all_codes.shape[0] > CODEC_LEFT_CONTEXT:
-                frames = [all_codes[-CODEC_LEFT_CONTEXT:]]
-            yield np.clip(new, -1.0, 1.0)
-
-
 #: ``--model tiny``: a tiny random-weight checkpoint built on first use (offline smoke runs).
 TINY_ALIAS = "tiny"
 
@@ -363,9 +135,335 @@ def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~")) or os.path.isabs(model)
 
 
-def _load(model: str, device: str, dtype: str, max_seq_len: int, attn: str) -> tuple[Any, Any]:
-    """Load the model through qwen-tts and wrap it in faster-qwen3-tts's graph holders."""
+class QwenModel:
+    """Qwen3-TTS weights loaded once per device, shared by every engine slot on it.
+
+    Each slot (:class:`QwenEngine`) owns its static KV caches and CUDA graphs; the modules
+    themselves are shared read-only. The one piece of mutable module state, the talker's
+    ``rope_deltas`` written during prefill, is guarded by :attr:`prefill_lock`.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        device: str = "auto",
+        dtype: str = "auto",
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        model = resolve_model(model)
+        self.model_id = model
+        self.device = resolve_device(device)
+        self.base, self.torch_dtype = _load_base(model, self.device, dtype, attn_implementation)
+        inner = self.base.model
+        self.speakers = tuple(sorted(s.lower() for s in (inner.get_supported_speakers() or [])))
+        self.languages = tuple(
+            sorted(lang.capitalize() for lang in (inner.get_supported_languages() or []))
+        )
+        self.model_type = str(inner.tts_model_type)
+        self.model_size = str(inner.tts_model_size)
+        self.prefill_lock = threading.Lock()
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+class QwenEngine(Engine):
+    """One engine slot: streaming Qwen3-TTS on CUDA graphs, or the same loop eager on CPU.
+
+    ``model`` is a model id / directory (the slot loads its own weights) or a shared
+    :class:`QwenModel` (slots on one GPU share weights and hold their own caches and graphs).
+    """
+
+    def __init__(
+        self,
+        model: str | QwenModel = DEFAULT_MODEL,
+        device: str = "auto",
+        dtype: str = "auto",
+        chunk_schedule: str | Sequence[int] = DEFAULT_CHUNK_SCHEDULE,
+        max_seq_len: int | None = None,
+        codec_decode: str = "incremental",
+        trim_leading_silence: bool = True,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        shared = model if isinstance(model, QwenModel) else QwenModel(
+            model, device, dtype, attn_implementation
+        )
+        if codec_decode not in ("incremental", "windowed"):
+            raise ValueError("codec_decode must be 'incremental' or 'windowed'")
+        self.shared = shared
+        self.model_id = shared.model_id
+        self.device = shared.device
+        self.chunk_schedule = parse_chunk_schedule(chunk_schedule)
+        # The talker's static cache and its per-position mask table scale with max_seq_len;
+        # 1024 positions still leave ~70 s of speech after a long prompt, and keep CPU set-up
+        # short (the 2048-entry mask table alone takes ~0.8 s on a 2-core CPU).
+        self.max_seq_len = max_seq_len or (2048 if shared.on_cuda else 1024)
+        self.codec_decode = codec_decode
+        self.trim_leading_silence = trim_leading_silence
+        self._wrapper = _graph_holders(shared, self.max_seq_len)
+        self._base = shared.base
+        #: Codec frames of the most recent stream, chunk by chunk (tests compare decodes).
+        self.last_codes: list[Any] = []
+
+    # --- Engine API ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return f"qwen3-tts {self.model_id} on {self.device}"
+
+    @property
+    def speakers(self) -> Sequence[str]:
+        return self.shared.speakers
+
+    @property
+    def languages(self) -> Sequence[str]:
+        return self.shared.languages
+
+    def warmup(self, voices: Sequence[tuple[str, str]] = ()) -> None:
+        """Capture CUDA graphs (GPU) / build static caches (CPU), then one generation per voice.
+
+        ``voices`` are ``(speaker, language)`` pairs the gateway is configured to speak with;
+        the first real caller then never pays for a first-use path.
+        """
+        t0 = time.perf_counter()
+        default = (self.speakers[0] if self.speakers else "ryan", "English")
+        for speaker, language in voices or [default]:
+            request = SpeechRequest(text="Hello.", speaker=speaker, language=language,
+                                    max_frames=8, min_frames=8)
+            for _ in self.stream(request):
+                pass
+        log.info("engine warm: %s (%d voice(s)) in %.2f s", self.name, max(1, len(voices)),
+                 time.perf_counter() - t0)
+
+    def stream(
+        self, request: SpeechRequest, should_stop: Callable[[], bool] | None = None
+    ) -> Generator[np.ndarray, None, None]:
+        if self.shared.model_type != "custom_voice":
+            raise EngineError(
+                f"{self.model_id} is a {self.shared.model_type!r} model; the gateway speaks with "
+                "a CustomVoice model (e.g. Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)"
+            )
+        try:
+            self.validate(request)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+        return self._stream(request, should_stop or _never)
+
+    def rebuild(self) -> None:
+        """Fresh static caches and graphs for this slot (after a failure inside the engine)."""
+        self._wrapper = _graph_holders(self.shared, self.max_seq_len)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def _stream(
+        self, request: SpeechRequest, should_stop: Callable[[], bool]
+    ) -> Generator[np.ndarray, None, None]:
+        import torch
+
+        with torch.inference_mode():
+            if request.seed is not None:
+                torch.manual_seed(request.seed)
+            # 0.6B models ignore instruct (faster-qwen3-tts drops it for "0b6" too).
+            instruct = request.instruct if self.shared.model_size != "0b6" else None
+            max_frames = request.max_frames or default_max_frames(request.text)
+            codes = self._generate_codes(request, instruct, max_frames, should_stop)
+            decoded = (
+                self._decode_incremental(codes)
+                if self.codec_decode == "incremental"
+                else self._decode_windowed(codes)
+            )
+            trimmer = LeadingSilenceTrimmer() if self.trim_leading_silence else None
+            try:
+                for audio in decoded:
+                    if trimmer is not None:
+                        audio = trimmer.push(audio)
+                        if not len(audio):
+                            continue
+                    yield audio
+            finally:
+                decoded.close()
+                codes.close()
+
+    def _prefill(self, request: SpeechRequest, instruct: str | None) -> tuple[Any, ...]:
+        """Build the talker inputs and run the prefill; returns what the decode loop needs."""
+        w = self._wrapper
+        # The talker module is shared between slots and prefill writes talker.rope_deltas.
+        with self.shared.prefill_lock:
+            _m, talker, config, tie, tam, tth, tpe = w._prepare_generation_custom(
+                text=request.text,
+                language=request.language,
+                speaker=request.speaker.lower(),
+                instruct=instruct,
+                non_streaming_mode=True,
+            )
+            out = talker.forward(
+                inputs_embeds=tie,
+                attention_mask=tam,
+                use_cache=True,
+                output_hidden_states=True,
+                return_dict=True,
+                trailing_text_hidden=tth,
+                tts_pad_embed=tpe,
+                generation_step=None,
+                past_hidden=None,
+                past_key_values=None,
+            )
+            prefill_len = w.talker_graph.prefill_kv(out.past_key_values)
+            w.talker_graph.set_generation_state(tam, getattr(talker, "rope_deltas", None))
+        return talker, config, tie, tth, tpe, out, prefill_len
+
+    def _generate_codes(
+        self,
+        request: SpeechRequest,
+        instruct: str | None,
+        max_frames: int,
+        should_stop: Callable[[], bool],
+    ) -> Generator[Any, None, None]:
+        """Yield ``[n, 16]`` codec-id tensors following the chunk schedule.
+
+        Mirrors ``faster_qwen3_tts.streaming.fast_generate_streaming`` (0.2.6): prefill through
+        the HF forward, copy its KV into the static cache, then per frame one code-predictor
+        graph replay and one talker graph replay. ``should_stop`` is checked before every frame,
+        so a cancelled turn frees its slot within one frame (plus the decode in flight).
+        """
+        import torch
+        from faster_qwen3_tts.sampling import apply_repetition_penalty, sample_logits
+
+        w = self._wrapper
+        predictor_graph, talker_graph = w.predictor_graph, w.talker_graph
+        on_cuda = self.shared.on_cuda
+        # Sampling defaults of faster-qwen3-tts / qwen-tts generate_config.
+        temperature, top_k, top_p, repetition_penalty = 0.9, 50, 1.0, 1.05
+        # EOS is suppressed for the first frames (2 upstream; ``min_frames`` forces a length).
+        min_frames = max(2, request.min_frames or 0)
+
+        talker, config, tie, tth, tpe, out, prefill_len = self._prefill(request, instruct)
+        eos_id = int(config.codec_eos_token_id)
+        vocab_size = int(config.vocab_size)
+        # The top 1024 ids of the codec vocabulary are control tokens; only EOS may be sampled.
+        suppress_mask = torch.zeros(vocab_size, dtype=torch.bool, device=tie.device)
+        suppress_mask[max(0, vocab_size - 1024) :] = True
+        suppress_mask[eos_id] = False
+        predictor = talker.code_predictor
+        talker_codec_embed = talker.get_input_embeddings()
+        talker_codec_head = talker.codec_head
+        predictor_codec_embeds = predictor.get_input_embeddings()
+        num_code_groups = int(config.num_code_groups)
+
+        past_hidden = out.past_hidden
+        gen_step = out.generation_step
+        token = sample_logits(
+            out.logits[:, -1, :],
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            do_sample=True,
+            suppress_mask=suppress_mask,
+            suppress_tokens=[eos_id],
+        )
+        del out
+        max_frames = min(max_frames, talker_graph.max_seq_len - 1 - prefill_len)
+
+        self.last_codes = []
+        schedule = self.chunk_schedule
+        chunk_index = 0
+        target = schedule[0]
+        buffer: list[Any] = []
+        history: list[Any] = []
+        for step in range(max_frames):
+            if should_stop() or int(token.item()) == eos_id:
+                break
+            last_id_hidden = talker_codec_embed(token.unsqueeze(1))
+            pred_input = torch.cat((past_hidden, last_id_hidden), dim=1)
+            codebook_ids = predictor_graph.run(pred_input)
+            buffer.append(torch.cat([token.view(1), codebook_ids]))
+            history.append(token)
+
+            if len(buffer) >= target:
+                if on_cuda:
+                    torch.cuda.synchronize()
+                self.last_codes.append(torch.stack(buffer))
+                yield self.last_codes[-1]
+                buffer = []
+                chunk_index += 1
+                target = schedule[min(chunk_index, len(schedule) - 1)]
+
+            if step == max_frames - 1:
+                break
+            codec_hiddens = [last_id_hidden]
+            for i in range(num_code_groups - 1):
+                codec_hiddens.append(predictor_codec_embeds[i](codebook_ids[i].view(1, 1)))
+            inputs_embeds = torch.cat(codec_hiddens, dim=1).sum(1, keepdim=True)
+            if gen_step < tth.shape[1]:
+                inputs_embeds = inputs_embeds + tth[:, gen_step].unsqueeze(1)
+            else:
+                inputs_embeds = inputs_embeds + tpe
+            hidden_states = talker_graph.run(inputs_embeds, position=prefill_len + step)
+            logits = talker_codec_head(hidden_states[:, -1, :]).unsqueeze(0)
+            if repetition_penalty != 1.0:
+                logits = apply_repetition_penalty(logits, torch.stack(history), repetition_penalty)
+            token = sample_logits(
+                logits.squeeze(0),
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                do_sample=True,
+                suppress_mask=suppress_mask,
+                suppress_tokens=[eos_id] if len(history) < min_frames else None,
+            )
+            past_hidden = hidden_states[:, -1:, :].clone()
+            gen_step += 1
+        if buffer and not should_stop():
+            if on_cuda:
+                torch.cuda.synchronize()
+            self.last_codes.append(torch.stack(buffer))
+            yield self.last_codes[-1]
+
+    def _decode_incremental(
+        self, codes: Generator[Any, None, None]
+    ) -> Generator[np.ndarray, None, None]:
+        """Decode each chunk's new frames only, carrying the codec's state (see codec_stream)."""
+        decoder = StreamingCodecDecoder(self._base.model.speech_tokenizer.model.decoder)
+        for chunk in codes:
+            yield decoder.decode(chunk)
+
+    def _decode_windowed(
+        self, codes: Generator[Any, None, None]
+    ) -> Generator[np.ndarray, None, None]:
+        """Decode each chunk with up to 25 frames of left context (faster-qwen3-tts's way).
+
+        The 12 Hz codec decodes exactly 1920 samples per frame, so the new audio is the last
+        ``n_new * 1920`` samples of the window's output.
+        """
+        import torch
+
+        tokenizer = self._base.model.speech_tokenizer
+        frames: list[Any] = []
+        for chunk in codes:
+            frames.append(chunk)
+            all_codes = torch.cat(frames, dim=0)
+            n_new = int(chunk.shape[0])
+            window = all_codes[-(n_new + CODEC_LEFT_CONTEXT) :]
+            wavs, _sr = tokenizer.decode({"audio_codes": window.unsqueeze(0)})
+            audio = np.asarray(wavs[0], dtype=np.float32).reshape(-1)
+            new = audio[-n_new * SAMPLES_PER_FRAME :]
+            # Keep only what later windows can still reach; the list would grow per frame.
+            if all_codes.shape[0] > CODEC_LEFT_CONTEXT:
+                frames = [all_codes[-CODEC_LEFT_CONTEXT:]]
+            yield np.clip(new, -1.0, 1.0)
+
+
+def _never() -> bool:
+    return False
+
+
+def _load_base(model: str, device: str, dtype: str, attn: str) -> tuple[Any, Any]:
+    """Load the model through qwen-tts (``from_pretrained`` of an id or a local directory)."""
     import torch
+
+    with _quiet_stdout():
+        from qwen_tts import Qwen3TTSModel
 
     if _looks_like_path(model) and not Path(model).expanduser().is_dir():
         raise ModelLoadError(
@@ -374,13 +472,6 @@ def _load(model: str, device: str, dtype: str, max_seq_len: int, attn: str) -> t
             f"{DEFAULT_MODEL}) with --model / GATEWAY_MODEL."
         )
     model = str(Path(model).expanduser()) if _looks_like_path(model) else model
-
-    with _quiet_stdout():
-        from faster_qwen3_tts.model import FasterQwen3TTS
-        from faster_qwen3_tts.predictor_graph import PredictorGraph
-        from faster_qwen3_tts.talker_graph import TalkerGraph
-        from qwen_tts import Qwen3TTSModel
-
     on_cuda = device.startswith("cuda")
     if dtype == "auto":
         torch_dtype = torch.bfloat16 if on_cuda else torch.float32
@@ -392,13 +483,24 @@ def _load(model: str, device: str, dtype: str, max_seq_len: int, attn: str) -> t
         )
     except Exception as exc:
         raise ModelLoadError(_load_error_message(model, exc)) from exc
+    return base, torch_dtype
 
+
+def _graph_holders(shared: QwenModel, max_seq_len: int) -> Any:
+    """One slot's faster-qwen3-tts graph holders (own static caches) over the shared weights."""
+    with _quiet_stdout():
+        from faster_qwen3_tts.model import FasterQwen3TTS
+        from faster_qwen3_tts.predictor_graph import PredictorGraph
+        from faster_qwen3_tts.talker_graph import TalkerGraph
+    import torch
+
+    base, torch_dtype = shared.base, shared.torch_dtype
     talker = base.model.talker
     talker_config = base.model.config.talker_config
     pred_config = talker.code_predictor.model.config
     # The graph holders ask torch.cuda for the device index when the device has none; on CPU
     # an explicit index keeps them off the CUDA runtime.
-    graph_device: Any = device if on_cuda else torch.device("cpu", 0)
+    graph_device: Any = shared.device if shared.on_cuda else torch.device("cpu", 0)
     predictor_graph = PredictorGraph(
         talker.code_predictor,
         pred_config,
@@ -412,18 +514,18 @@ def _load(model: str, device: str, dtype: str, max_seq_len: int, attn: str) -> t
     talker_graph = TalkerGraph(
         talker.model, talker_config, device=graph_device, dtype=torch_dtype, max_seq_len=max_seq_len
     )
-    if not on_cuda:
+    if not shared.on_cuda:
         predictor_graph.capture = lambda num_warmup=0: _eager_capture(predictor_graph)
         talker_graph.capture = lambda prefill_len=0, num_warmup=0: _eager_capture(talker_graph)
-    wrapper = FasterQwen3TTS(
-        base_model=base,
-        predictor_graph=predictor_graph,
-        talker_graph=talker_graph,
-        device=device,
-        dtype=torch_dtype,
-        max_seq_len=max_seq_len,
-    )
-    return wrapper, base
+    with _quiet_stdout():
+        return FasterQwen3TTS(
+            base_model=base,
+            predictor_graph=predictor_graph,
+            talker_graph=talker_graph,
+            device=shared.device,
+            dtype=torch_dtype,
+            max_seq_len=max_seq_len,
+        )
 
 
 def _load_error_message(model: str, exc: BaseException) -> str:
