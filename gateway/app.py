@@ -47,6 +47,7 @@ def default_engine_factory(settings: Settings) -> list[Engine]:
             max_seq_len=settings.max_seq_len,
             codec_decode=settings.codec_decode,
             trim_leading_silence=settings.trim_leading_silence,
+            adaptive_chunks=settings.adaptive_chunks,
         )
         for _ in range(settings.slots)
     ]

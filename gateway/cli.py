@@ -132,6 +132,7 @@ def say(
         model=settings.model, device=settings.device, dtype=settings.dtype,
         chunk_schedule=settings.chunk_schedule, max_seq_len=settings.max_seq_len,
         codec_decode=settings.codec_decode, trim_leading_silence=settings.trim_leading_silence,
+        adaptive_chunks=settings.adaptive_chunks,
     )
     request = SpeechRequest(text=text, speaker=settings.speaker, language=settings.language,
                             instruct=settings.instruct, seed=seed)

@@ -43,6 +43,11 @@ class Settings(BaseSettings):
         description="Engine slots per GPU: concurrent generations, each with its own KV cache "
         "and CUDA graphs over shared weights.",
     )
+    adaptive_chunks: bool = Field(
+        True,
+        description="Shrink a chunk below the schedule when the measured cost per frame says it "
+        "would arrive after playback ran out.",
+    )
     codec_decode: Literal["incremental", "windowed"] = Field(
         "incremental",
         description="Codec decoding per chunk: carry the decoder state (incremental) or "

@@ -22,7 +22,11 @@ from gateway.tts.qwen import (
 from gateway.tts.service import SpeechService
 
 
-def test_chunks_follow_the_schedule_then_repeat_its_last_entry(tiny_engine: QwenEngine) -> None:
+def test_chunks_follow_the_schedule_then_repeat_its_last_entry(
+    tiny_engine: QwenEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Fixed schedule here; adaptive shrinking is tested in test_tts_chunking.py.
+    monkeypatch.setattr(tiny_engine, "adaptive_chunks", False)
     request = SpeechRequest(text="Press one for billing.", seed=1, max_frames=23)
     sizes = [len(c) // SAMPLES_PER_FRAME for c in tiny_engine.stream(request)]
     assert all(
@@ -138,7 +142,7 @@ def test_chunk_schedule_rejects_nonsense(spec: str) -> None:
 @pytest.mark.gpu
 def test_cuda_graph_engine_streams_on_gpu(tiny_model_dir: Path) -> None:
     """The same stream through captured CUDA graphs (skipped without a CUDA device)."""
-    engine = QwenEngine(model=str(tiny_model_dir), device="cuda")
+    engine = QwenEngine(model=str(tiny_model_dir), device="cuda", adaptive_chunks=False)
     engine.warmup()
     chunks = list(engine.stream(SpeechRequest(text="Press one.", seed=1, max_frames=7)))
     assert [len(c) // SAMPLES_PER_FRAME for c in chunks][:3] == [1, 2, 4]
@@ -153,7 +157,8 @@ async def test_service_streams_chunks_into_asyncio(tiny_engine: Engine) -> None:
     try:
         stream = service.stream(SpeechRequest(text="Hello.", seed=1, max_frames=7))
         chunks = [chunk async for chunk in stream]
-        assert [len(c) // SAMPLES_PER_FRAME for c in chunks] == [1, 2, 4][: len(chunks)]
+        sizes = [len(c) // SAMPLES_PER_FRAME for c in chunks]
+        assert sizes[0] == 1 and 0 < sum(sizes) <= 7
         await asyncio.wait_for(stream.finished.wait(), 5)
         assert service.stats.completed >= 1 and service.busy_slots == 0
     finally:

@@ -31,6 +31,7 @@ import numpy as np
 
 from gateway.audio.condition import LeadingSilenceTrimmer
 from gateway.errors import EngineError, ModelLoadError
+from gateway.tts.chunking import ChunkPlanner
 from gateway.tts.codec_stream import StreamingCodecDecoder
 from gateway.tts.engine import SAMPLES_PER_FRAME, Engine, SpeechRequest
 
@@ -184,6 +185,7 @@ class QwenEngine(Engine):
         max_seq_len: int | None = None,
         codec_decode: str = "incremental",
         trim_leading_silence: bool = True,
+        adaptive_chunks: bool = True,
         attn_implementation: str = "sdpa",
     ) -> None:
         shared = model if isinstance(model, QwenModel) else QwenModel(
@@ -201,6 +203,7 @@ class QwenEngine(Engine):
         self.max_seq_len = max_seq_len or (2048 if shared.on_cuda else 1024)
         self.codec_decode = codec_decode
         self.trim_leading_silence = trim_leading_silence
+        self.adaptive_chunks = adaptive_chunks
         self._wrapper = _graph_holders(shared, self.max_seq_len)
         self._base = shared.base
         #: Codec frames of the most recent stream, chunk by chunk (tests compare decodes).
@@ -366,9 +369,8 @@ class QwenEngine(Engine):
         max_frames = min(max_frames, talker_graph.max_seq_len - 1 - prefill_len)
 
         self.last_codes = []
-        schedule = self.chunk_schedule
-        chunk_index = 0
-        target = schedule[0]
+        planner = ChunkPlanner(self.chunk_schedule, adaptive=self.adaptive_chunks)
+        target = planner.next_size()
         buffer: list[Any] = []
         history: list[Any] = []
         for step in range(max_frames):
@@ -385,9 +387,10 @@ class QwenEngine(Engine):
                     torch.cuda.synchronize()
                 self.last_codes.append(torch.stack(buffer))
                 yield self.last_codes[-1]
+                # The consumer asks for more once this chunk is decoded and handed on.
+                planner.chunk_done(len(buffer))
                 buffer = []
-                chunk_index += 1
-                target = schedule[min(chunk_index, len(schedule) - 1)]
+                target = planner.next_size()
 
             if step == max_frames - 1:
                 break
