@@ -254,8 +254,22 @@ class QwenEngine(Engine):
         return self._stream(request, should_stop or _never)
 
     def rebuild(self) -> None:
-        """Fresh static caches and graphs for this slot (after a failure inside the engine)."""
-        self._wrapper = _graph_holders(self.shared, self.max_seq_len)
+        """Make the slot usable again after a failure inside the engine.
+
+        On CPU the graph holders are rebuilt from scratch. On CUDA the captured graphs are kept
+        and only their static caches are reset: re-capturing while other slots run on the same
+        GPU would fail (graph capture forbids unsafe CUDA calls from other threads), and a
+        sticky CUDA error leaves nothing to rebuild anyway (the reset then raises and the
+        scheduler retires the slot).
+        """
+        import torch
+
+        if self.shared.on_cuda:
+            self._wrapper.predictor_graph.static_cache.reset()
+            self._wrapper.talker_graph.static_cache.reset()
+            torch.cuda.synchronize()
+        else:
+            self._wrapper = _graph_holders(self.shared, self.max_seq_len)
 
     # --- the loop -----------------------------------------------------------------------------
 
