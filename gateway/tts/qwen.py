@@ -36,6 +36,9 @@ from gateway.tts.codec_stream import StreamingCodecDecoder
 from gateway.tts.engine import SAMPLES_PER_FRAME, Engine, SpeechRequest
 
 log = logging.getLogger(__name__)
+# faster-qwen3-tts warns at construction that it "could not infer sample rate ... defaulting to
+# 24000 Hz": qwen-tts's 12 Hz tokenizer does not expose it, and 24 kHz is right for every model.
+logging.getLogger("faster_qwen3_tts.model").setLevel(logging.ERROR)
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
 #: Frames of already-decoded left context re-decoded with each chunk (faster-qwen3-tts uses 25):
