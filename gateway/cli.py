@@ -24,6 +24,10 @@ app = typer.Typer(
 )
 model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
 app.add_typer(model_app, name="model")
+voices_app = typer.Typer(
+    no_args_is_help=True, help="Registered cloned voices (Qwen3-TTS voice-clone prompts)."
+)
+app.add_typer(voices_app, name="voices")
 
 
 
@@ -172,6 +176,80 @@ def model_tiny(
     typer.echo(f"tiny {kind} checkpoint written to {path} (random weights: it speaks noise)")
 
 
+VoicesDir = Annotated[
+    Path | None,
+    typer.Option("--dir", help="Voices directory [GATEWAY_VOICES_DIR, else ./voices]."),
+]
+
+
+@voices_app.command("add")
+def voices_add(
+    name: Annotated[str, typer.Argument(help="Voice name: a-z, 0-9, '_', '-' (max 64).")],
+    ref: Annotated[Path, typer.Argument(help="Reference clip, 1-30 s (any rate/channels).")],
+    text: Annotated[str, typer.Option("--text", help="What the reference clip says.")],
+    directory: VoicesDir = None,
+    base_model: Annotated[
+        str | None, typer.Option("--base-model", help="Qwen3-TTS Base model id or directory.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto|cpu|cuda.")] = "cpu",
+) -> None:
+    """Compute NAME's voice-clone prompt from REF once and store it (replaces an existing NAME)."""
+    from gateway.ivr.voices import DEFAULT_BASE_MODEL, VoiceRegistry, default_voices_dir
+
+    _setup_logging("warning")
+    registry = VoiceRegistry(directory or default_voices_dir())
+    record = registry.add(name, ref, text, base_model=base_model or DEFAULT_BASE_MODEL,
+                          device=device)
+    typer.echo(
+        f"registered voice {record.name!r}: {record.ref_duration_s:.2f} s reference, "
+        f"identity {record.identity[:12]}, in {registry.directory}"
+    )
+
+
+@voices_app.command("list")
+def voices_list(
+    directory: VoicesDir = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Full records as JSON.")] = False,
+) -> None:
+    """List the registered voices."""
+    import json
+
+    from gateway.ivr.voices import VoiceRegistry, default_voices_dir
+
+    _setup_logging("warning")
+    registry = VoiceRegistry(directory or default_voices_dir())
+    records = registry.list()
+    if as_json:
+        typer.echo(json.dumps([r.to_json() for r in records], indent=2, ensure_ascii=False))
+        return
+    if not records:
+        typer.echo(f"no voices in {registry.directory}")
+        return
+    rows = [("NAME", "DURATION", "CREATED", "BASE MODEL", "IDENTITY", "TEXT")]
+    for r in records:
+        text = r.ref_text if len(r.ref_text) <= 48 else r.ref_text[:47] + "…"
+        created = r.created.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+        rows.append((r.name, f"{r.ref_duration_s:.2f} s", created, r.base_model,
+                     r.identity[:12], text))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        padded = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        typer.echo("  ".join([*padded, row[-1]]))
+
+
+@voices_app.command("remove")
+def voices_remove(
+    name: Annotated[str, typer.Argument(help="Voice to unregister.")],
+    directory: VoicesDir = None,
+) -> None:
+    """Unregister voice NAME."""
+    from gateway.ivr.voices import VoiceRegistry, default_voices_dir
+
+    registry = VoiceRegistry(directory or default_voices_dir())
+    registry.remove(name)
+    typer.echo(f"removed voice {name!r} from {registry.directory}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code instead of exiting (for tests)."""
     command = typer.main.get_command(app)
@@ -182,12 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except SystemExit as exc:  # click's --help and usage errors
         return int(exc.code or 0)
-    except Exception as exc:  # click.UsageError and friends
+    except Exception as exc:  # usage errors: typer vendors click, so match both classes
         import click
 
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            return exc.exit_code
+        show = getattr(exc, "show", None)
+        code = getattr(exc, "exit_code", None)
+        if isinstance(exc, click.ClickException) or (callable(show) and isinstance(code, int)):
+            show()  # type: ignore[misc]
+            return int(code)  # type: ignore[arg-type]
         raise
     return 0
 

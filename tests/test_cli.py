@@ -86,3 +86,8 @@ def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for command in ("serve", "say", "model"):
         assert command in out
+
+
+def test_usage_errors_exit_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["say"]) == 2
+    assert "Missing" in capsys.readouterr().err
