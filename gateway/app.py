@@ -14,14 +14,19 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from gateway.call import Call
+from gateway.call import Call, CallOutcome, Voice
 from gateway.config import Settings
 from gateway.demo import greeter
 from gateway.errors import GatewayError
+from gateway.ivr.cache import PromptCache
+from gateway.ivr.prompts import render_missing, voice_identity
+from gateway.ivr.runner import IvrRunner, RunnerContext, load_sound
+from gateway.ivr.script import Script, load_script
 from gateway.metrics import Metrics
 from gateway.tts.engine import Engine
 from gateway.tts.service import SpeechService
@@ -65,8 +70,24 @@ class GatewayState:
     load_error: str | None = None
     calls: dict[str, Call] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
+    #: The IVR script every call runs (None: the first-call greeter).
+    script: Script | None = None
+    cache: PromptCache | None = None
+    ivr: RunnerContext | None = None
+    #: How each finished stream's call continues: read by the <Connect action> webhook.
+    outcomes: dict[str, CallOutcome] = field(default_factory=dict)
     #: Called with a message when start-up fails (the CLI stops the server and exits 1).
     on_fatal: Callable[[str], None] | None = None
+
+    def call_voice(self) -> Voice:
+        """The voice calls speak with: the script's, else the configured speaker."""
+        if self.script is not None:
+            voice = self.script.voice
+            return Voice(speaker=(voice.speaker or "ryan").lower(), language=voice.language,
+                         instruct=voice.style, seed=None)
+        settings = self.settings
+        return Voice(speaker=settings.speaker, language=settings.language,
+                     instruct=settings.instruct, seed=settings.seed)
 
     @property
     def speech_service(self) -> SpeechService:
@@ -82,13 +103,24 @@ def create_app(
 ) -> FastAPI:
     """Build the gateway app. The engine loads in the background once the server starts."""
     token = settings.twilio_auth_token.get_secret_value() if settings.twilio_auth_token else None
+    metrics = Metrics()
     state = GatewayState(
         settings=settings,
-        metrics=Metrics(),
+        metrics=metrics,
         signatures=SignatureChecker(None if settings.insecure else token, settings.public_url),
     )
+    if settings.script is not None:
+        # Refuse to start with an invalid script (ScriptError lists every problem).
+        state.script = load_script(settings.script)
+        state.cache = PromptCache(
+            settings.cache_dir, max_memory_bytes=settings.cache_memory_mb * 1024 * 1024,
+            metrics=metrics,
+        )
     if dialog is None:
-        dialog = partial(_greeter_dialog, greeting=settings.greeting)
+        if state.script is not None:
+            dialog = partial(_ivr_dialog, state=state)
+        else:
+            dialog = partial(_greeter_dialog, greeting=settings.greeting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -118,7 +150,7 @@ def create_app(
         return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics_endpoint() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     app.include_router(build_router(state, dialog))
@@ -127,6 +159,11 @@ def create_app(
 
 async def _greeter_dialog(call: Call, greeting: str) -> None:
     await greeter(call, greeting)
+
+
+async def _ivr_dialog(call: Call, state: GatewayState) -> None:
+    assert state.ivr is not None, "the IVR context is built before the gateway is ready"
+    await IvrRunner(call, state.ivr, dict(call.parameters)).run()
 
 
 async def _load(state: GatewayState, engine_factory: EngineFactory) -> None:
@@ -156,9 +193,45 @@ async def _load(state: GatewayState, engine_factory: EngineFactory) -> None:
     )
     speech.start()
     state.speech = speech
+    if state.script is not None and state.cache is not None:
+        try:
+            await _prepare_ivr(state, engines[0])
+        except Exception as exc:
+            log.exception("preparing the IVR script failed")
+            _fail(state, f"preparing the IVR script failed: {exc}")
+            return
     state.ready = True
     log.info("ready: %s x%d slot(s) (load + warm-up %.1f s)", engines[0].name, len(engines),
              time.monotonic() - t0)
+
+
+async def _prepare_ivr(state: GatewayState, engine: Engine) -> None:
+    """Build the runner context; load (and unless lazy, render) the script's static prompts."""
+    script, cache, settings = state.script, state.cache, state.settings
+    assert script is not None and cache is not None and state.speech is not None
+    identity = voice_identity(script)
+    state.ivr = RunnerContext(
+        script=script,
+        cache=cache,
+        model_fingerprint=engine.fingerprint,
+        voice_identity=identity,
+        sounds={name: load_sound(script_dir(script) / name) for name in script_sounds(script)},
+    )
+    if settings.render_lazily:
+        return
+    t0 = time.monotonic()
+    hits, rendered = await render_missing(script, cache, state.speech, engine.fingerprint,
+                                          identity)
+    log.info("prompts ready: %d cached, %d rendered in %.1f s", hits, rendered,
+             time.monotonic() - t0)
+
+
+def script_dir(script: Script) -> Path:
+    return script.path.parent if script.path is not None else Path.cwd()
+
+
+def script_sounds(script: Script) -> list[str]:
+    return sorted({node.play for node in script.nodes.values() if node.play is not None})
 
 
 def _fail(state: GatewayState, message: str) -> None:

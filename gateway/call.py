@@ -21,7 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from gateway.audio.framer import PhonePipeline
+import numpy as np
+
+from gateway.audio.framer import Framer, PhonePipeline
+from gateway.audio.g711 import alaw_encode, codec_silence, float_to_int16, ulaw_encode
 from gateway.errors import EngineError
 from gateway.metrics import Metrics
 from gateway.tts.engine import SpeechRequest
@@ -52,6 +55,13 @@ class PlaybackDone:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeechStarted:
+    """Voice activity detection heard the caller start speaking (speech barge-in)."""
+
+    at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
 class SpeechFailed:
     """An utterance could not be generated (engine error); the dialog decides what to say."""
 
@@ -68,7 +78,25 @@ class Hangup:
     at: float = field(default_factory=time.monotonic)
 
 
-CallEvent = Dtmf | PlaybackDone | SpeechFailed | Hangup
+CallEvent = Dtmf | PlaybackDone | SpeechStarted | SpeechFailed | Hangup
+
+
+# --- how a call ends (transport-neutral) ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTo:
+    """Hand the caller to ``target``: an E.164 number or a SIP URI."""
+
+    target: str
+
+
+@dataclass(frozen=True, slots=True)
+class HangUp:
+    """End the call."""
+
+
+CallOutcome = TransferTo | HangUp
 
 
 class CallTransport(Protocol):
@@ -87,6 +115,10 @@ class CallTransport(Protocol):
 
     async def hangup(self) -> None:
         """End the call from our side."""
+
+    async def end(self, outcome: CallOutcome) -> None:
+        """Finish the call with ``outcome`` (Twilio: the <Connect action> answer; SIP: BYE or
+        REFER)."""
 
 
 # --- speaking ---------------------------------------------------------------------------------
@@ -107,6 +139,17 @@ class Utterance:
     interrupted: bool = False
     error: str | None = None
     task: asyncio.Task[None] | None = None
+    #: True for audio played from the prompt cache or a file (no generation involved).
+    cached: bool = False
+    #: With ``capture``, the 8 kHz float audio as it was sent (for caching a live render).
+    capture: list[np.ndarray] | None = None
+
+    def captured_pcm(self) -> np.ndarray | None:
+        """The whole utterance as 8 kHz int16, if it was captured and generated completely."""
+        if self.capture is None or self.interrupted or self.error or not self.generated.is_set():
+            return None
+        audio = np.concatenate(self.capture) if self.capture else np.zeros(0, np.float32)
+        return float_to_int16(audio)
 
     @property
     def first_audio_s(self) -> float | None:
@@ -154,6 +197,9 @@ class Call:
         self.events: asyncio.Queue[CallEvent] = asyncio.Queue()
         self.utterances: list[Utterance] = []
         self.ended = False
+        self.outcome: CallOutcome | None = None
+        #: Variables the transport knows about the call (caller, called, call_id).
+        self.parameters: dict[str, str] = {"call_id": call_id}
         self._pipeline = PhonePipeline(codec=transport.codec)
         self._current: Utterance | None = None
         self._pending_marks: dict[str, Utterance] = {}
@@ -183,12 +229,36 @@ class Call:
 
     # --- speaking -----------------------------------------------------------------------------
 
-    def say(self, text: str, *, turn_started_at: float | None = None) -> Utterance:
-        """Start speaking ``text`` now; returns at once with the :class:`Utterance` handle.
+    def say(
+        self, text: str, *, turn_started_at: float | None = None, capture: bool = False
+    ) -> Utterance:
+        """Start speaking ``text`` now (live generation); returns at once with the handle.
 
         ``turn_started_at`` is when the caller's turn ended (DTMF received, call answered):
-        first-audio latency is measured from there.
+        first-audio latency is measured from there. With ``capture`` the 8 kHz audio is kept so
+        the caller of this method can cache the sentence once it was generated completely.
         """
+        utterance = self._new_utterance(text, turn_started_at)
+        if capture:
+            utterance.capture = []
+        utterance.task = asyncio.create_task(self._speak(utterance), name=f"say-{utterance.id}")
+        return utterance
+
+    def play(
+        self, pcm: np.ndarray, *, label: str, turn_started_at: float | None = None
+    ) -> Utterance:
+        """Start playing 8 kHz int16 ``pcm`` (a cached prompt or a WAV file) now.
+
+        No generation is involved: the first frames go out within the same event-loop turn.
+        """
+        utterance = self._new_utterance(label, turn_started_at)
+        utterance.cached = True
+        utterance.task = asyncio.create_task(
+            self._play(utterance, pcm), name=f"play-{utterance.id}"
+        )
+        return utterance
+
+    def _new_utterance(self, text: str, turn_started_at: float | None) -> Utterance:
         if self.speaking:
             raise RuntimeError("already speaking: barge_in() first")
         utterance = Utterance(
@@ -198,8 +268,15 @@ class Call:
         )
         self._current = utterance
         self.utterances.append(utterance)
-        utterance.task = asyncio.create_task(self._speak(utterance), name=f"say-{utterance.id}")
         return utterance
+
+    async def end(self, outcome: CallOutcome) -> None:
+        """Finish the call: transfer it or hang up (the transport knows how)."""
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        await self.close()
+        await self.transport.end(outcome)
 
     async def barge_in(self) -> None:
         """Stop the current utterance: cancel its generation, drop queued audio, clear."""
@@ -250,6 +327,7 @@ class Call:
         )
         pipeline = self._pipeline
         pipeline.reset()
+        pipeline.tap = utterance.capture
         try:
             stream = self.speech.stream(request, turn_started_at=utterance.turn_started_at)
             utterance.stream = stream
@@ -274,7 +352,22 @@ class Call:
             self.events.put_nowait(SpeechFailed(utterance.id, str(exc)))
             return
         finally:
+            pipeline.tap = None
             utterance.generated.set()
+        self._pending_marks[utterance.id] = utterance
+        await self.transport.send_mark(utterance.id)
+
+    async def _play(self, utterance: Utterance, pcm: np.ndarray) -> None:
+        codec = self.transport.codec
+        encoded = ulaw_encode(pcm) if codec == "pcmu" else alaw_encode(pcm)
+        framer = Framer(codec_silence(codec))
+        frames = framer.push(encoded) + framer.flush()
+        try:
+            await self._send(utterance, frames)
+        finally:
+            utterance.generated.set()
+        if utterance.interrupted or self.ended:
+            return
         self._pending_marks[utterance.id] = utterance
         await self.transport.send_mark(utterance.id)
 

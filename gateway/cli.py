@@ -23,6 +23,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
+prompts_app = typer.Typer(no_args_is_help=True, help="IVR scripts: validate, pre-render.")
+app.add_typer(prompts_app, name="prompts")
 app.add_typer(model_app, name="model")
 voices_app = typer.Typer(
     no_args_is_help=True, help="Registered cloned voices (Qwen3-TTS voice-clone prompts)."
@@ -66,6 +68,9 @@ def serve(
     public_url: Annotated[
         str | None, typer.Option(help="Public https:// URL [GATEWAY_PUBLIC_URL].")
     ] = None,
+    script: Annotated[
+        Path | None, typer.Option(help="IVR script to run [GATEWAY_SCRIPT].")
+    ] = None,
 ) -> None:
     """Run the gateway (HTTP webhooks + Twilio Media Streams WebSocket)."""
     import uvicorn
@@ -74,7 +79,7 @@ def serve(
 
     settings = _settings(
         host=host, port=port, model=model, device=device, public_url=public_url,
-        insecure=True if insecure else None,
+        insecure=True if insecure else None, script=script,
     )
     _setup_logging(settings.log_level)
     settings.require_security()
@@ -82,7 +87,15 @@ def serve(
         logging.getLogger("gateway").warning(
             "--insecure: Twilio signatures are NOT validated; never expose this to the internet"
         )
-    fastapi_app = create_app(settings)
+    from gateway.ivr.script import ScriptError
+
+    try:
+        fastapi_app = create_app(settings)
+    except ScriptError as exc:
+        for diagnostic in exc.diagnostics:
+            typer.echo(f"{diagnostic.file}:{diagnostic.line}:{diagnostic.column}: error: "
+                       f"{diagnostic.message}", err=True)
+        raise GatewayError(f"refusing to start: {settings.script} has errors") from None
     config = uvicorn.Config(
         fastapi_app,
         host=settings.host,
@@ -248,6 +261,94 @@ def voices_remove(
     registry = VoiceRegistry(directory or default_voices_dir())
     registry.remove(name)
     typer.echo(f"removed voice {name!r} from {registry.directory}")
+
+
+@prompts_app.command("validate")
+def prompts_validate(
+    files: Annotated[list[Path], typer.Argument(help="IVR scripts (YAML).")],
+) -> None:
+    """Check scripts: schema and logic errors as file:line:column: message."""
+    from gateway.ivr.script import ScriptError, load_script
+    from gateway.ivr.voices import VoiceRegistry, default_voices_dir
+
+    registry = VoiceRegistry(default_voices_dir())
+    failed = 0
+    for path in files:
+        try:
+            script = load_script(path, voice_exists=lambda name: _voice_exists(registry, name))
+        except ScriptError as exc:
+            failed += 1
+            for diagnostic in exc.diagnostics:
+                typer.echo(f"{diagnostic.file}:{diagnostic.line}:{diagnostic.column}: error: "
+                           f"{diagnostic.message}", err=True)
+            continue
+        typer.echo(f"{path}: ok ({len(script.nodes)} nodes, "
+                   f"{len(script.static_sentences())} cached sentences)")
+    if failed:
+        raise GatewayError(f"{failed} of {len(files)} script(s) have errors")
+
+
+@prompts_app.command("render")
+def prompts_render(
+    files: Annotated[list[Path], typer.Argument(help="IVR scripts (YAML).")],
+    model: Annotated[str | None, typer.Option(help="Model id or local directory.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto|cpu|cuda.")] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Prompt cache directory [GATEWAY_CACHE_DIR].")
+    ] = None,
+) -> None:
+    """Pre-render every static prompt into the cache (resumable: present ones are skipped)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from gateway.ivr.cache import PromptCache
+    from gateway.ivr.prompts import prompt_key, render_blocking, request_for, voice_identity
+    from gateway.ivr.script import ScriptError, load_script
+    from gateway.tts.qwen import QwenEngine
+
+    settings = _settings(model=model, device=device, cache_dir=cache_dir)
+    _setup_logging("warning")
+    if settings.cache_dir is None:
+        raise GatewayError("rendering needs a cache directory (--cache-dir)")
+    try:
+        scripts = [load_script(path) for path in files]
+    except ScriptError as exc:
+        raise GatewayError(f"invalid script:\n{exc}") from None
+    engine = QwenEngine(model=settings.model, device=settings.device, dtype=settings.dtype,
+                        codec_decode=settings.codec_decode,
+                        trim_leading_silence=settings.trim_leading_silence)
+    cache = PromptCache(settings.cache_dir, max_memory_bytes=1)
+    todo = []
+    hits = 0
+    for script in scripts:
+        identity = voice_identity(script)
+        for text in script.static_sentences():
+            key = prompt_key(script, engine.fingerprint, identity, text)
+            if cache.on_disk(key):
+                hits += 1
+            else:
+                todo.append((script, key, text))
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+               "{task.total}"), TimeElapsedColumn())
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task("rendering prompts", total=len(todo))
+        for script, key, text in todo:
+            t0 = time.perf_counter()
+            cache.put(key, render_blocking(engine, request_for(script, text)),
+                      render_s=time.perf_counter() - t0)
+            progress.advance(task)
+    typer.echo(f"{hits} already cached, {len(todo)} rendered into {settings.cache_dir} "
+               f"({cache.stats.render_s:.1f} s of rendering on {engine.device})")
+
+
+def _voice_exists(registry: object, name: str) -> bool:
+    from gateway.ivr.voices import VoiceError, VoiceRegistry
+
+    assert isinstance(registry, VoiceRegistry)
+    try:
+        registry.get(name)
+    except VoiceError:
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

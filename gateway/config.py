@@ -6,6 +6,7 @@ the CLI overrides a few of them with flags. See the configuration table in the R
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -70,6 +71,20 @@ class Settings(BaseSettings):
     ahead_low_ms: int = Field(
         500, ge=0, description="A paused turn resumes once its lead is down to this."
     )
+    script: Path | None = Field(
+        None,
+        description="IVR script (YAML) to run for every call; unset: greet and read back keys.",
+    )
+    cache_dir: Path | None = Field(
+        Path.home() / ".cache" / "qwen3-tts-gateway" / "prompts",
+        description="Prompt cache directory (WAV + JSON per prompt); empty: memory only.",
+    )
+    cache_memory_mb: int = Field(256, ge=1, description="In-memory prompt cache bound (LRU).")
+    render_lazily: bool = Field(
+        False,
+        description="Start without rendering missing static prompts; each is rendered live the "
+        "first time a caller needs it, then cached.",
+    )
     public_url: str | None = Field(
         None,
         description="Public https:// base URL Twilio reaches (behind the load balancer). "
@@ -100,6 +115,11 @@ class Settings(BaseSettings):
         50, ge=1, le=500, description="Max 20 ms frames batched into one outbound media message."
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("cache_dir", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value
 
     @field_validator("public_url")
     @classmethod

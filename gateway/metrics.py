@@ -70,6 +70,28 @@ class Metrics:
             "gateway_tts_slots_healthy", "Engine slots in service (failed rebuilds retire one).",
             registry=r,
         )
+        self.prompt_cache_hits = Counter(
+            "gateway_prompt_cache_hits_total", "Static prompts served from the cache.", registry=r
+        )
+        self.prompt_cache_misses = Counter(
+            "gateway_prompt_cache_misses_total", "Static prompts not in the cache.", registry=r
+        )
+        self.prompt_cache_bytes = Gauge(
+            "gateway_prompt_cache_memory_bytes", "PCM held in the in-memory prompt cache.",
+            registry=r,
+        )
+        self.prompt_cache_corrupt = Counter(
+            "gateway_prompt_cache_corrupt_total", "Cache entries discarded (bad checksum).",
+            registry=r,
+        )
+        self.prompt_cache_write_errors = Counter(
+            "gateway_prompt_cache_write_errors_total",
+            "Cache writes that failed (directory read-only or full): an alarm.", registry=r,
+        )
+        self.prompt_render_seconds = Histogram(
+            "gateway_prompt_render_seconds", "Time to render one prompt into the cache.",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=r,
+        )
         self.speech_failures = Counter(
             "gateway_speech_failures_total", "Utterances a caller did not hear because TTS failed.",
             ["transport"], registry=r,

@@ -91,12 +91,14 @@ class PhonePipeline:
     real samples followed by at most 159 silence bytes of padding at the utterance's end.
     """
 
-    __slots__ = ("_decimator", "_encoder", "_framer")
+    __slots__ = ("_decimator", "_encoder", "_framer", "tap")
 
     def __init__(self, codec: Codec = "pcmu") -> None:
         self._encoder = Encoder(codec)
         self._decimator = Decimator24kTo8k()
         self._framer = Framer(codec_silence(codec))
+        #: When a list, every 8 kHz float block is appended to it (to cache a live render).
+        self.tap: list[npt.NDArray[np.float32]] | None = None
 
     @property
     def codec(self) -> Codec:
@@ -108,12 +110,16 @@ class PhonePipeline:
         y = self._decimator.push(chunk)
         if not y.shape[0]:
             return []
+        if self.tap is not None:
+            self.tap.append(y.copy())
         # .data is a memoryview of the encoder's scratch; the framer copies it before returning.
         return self._framer.push(self._encoder.encode_array(y).data)
 
     def flush(self) -> list[bytes]:
         """End of utterance: emit all remaining audio, the last frame padded with silence."""
         y = self._decimator.flush()
+        if self.tap is not None and y.shape[0]:
+            self.tap.append(y.copy())
         frames = self._framer.push(self._encoder.encode_array(y).data) if y.shape[0] else []
         frames.extend(self._framer.flush())
         return frames

@@ -88,6 +88,11 @@ class Engine(abc.ABC):
     def rebuild(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op by default
         """Reset per-slot state after a failure inside the engine (default: nothing to do)."""
 
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the model's weights and revision (part of every prompt-cache key)."""
+        return self.name
+
     def validate(self, request: SpeechRequest) -> None:
         """Raise ``ValueError`` with a clear message if the request cannot be served."""
         if not request.text.strip():

@@ -18,6 +18,7 @@ The seam is pinned to faster-qwen3-tts 0.2.6 / qwen-tts 0.1.1 (see pyproject.tom
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -171,6 +172,30 @@ class QwenModel:
     def on_cuda(self) -> bool:
         return self.device.startswith("cuda")
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Model id and revision: the hub commit when known, else a digest of the local files.
+
+        A local checkpoint is identified by its config and the first 16 MB of its weights plus
+        their size (hashing gigabytes at start-up would cost seconds); that changes whenever
+        the weights do.
+        """
+        import hashlib
+
+        commit = getattr(self.base.model.config, "_commit_hash", None)
+        root = Path(self.model_id)
+        if not root.is_dir():
+            return f"{self.model_id}@{commit or 'unknown'}"
+        digest = hashlib.sha256()
+        for name in ("config.json", "model.safetensors", "speech_tokenizer/model.safetensors"):
+            path = root / name
+            if path.is_file():
+                digest.update(name.encode())
+                digest.update(str(path.stat().st_size).encode())
+                with path.open("rb") as handle:
+                    digest.update(handle.read(16 * 1024 * 1024))
+        return f"local:{digest.hexdigest()[:16]}"
+
 
 class QwenEngine(Engine):
     """One engine slot: streaming Qwen3-TTS on CUDA graphs, or the same loop eager on CPU.
@@ -217,6 +242,10 @@ class QwenEngine(Engine):
     @property
     def name(self) -> str:
         return f"qwen3-tts {self.model_id} on {self.device}"
+
+    @property
+    def fingerprint(self) -> str:
+        return self.shared.fingerprint
 
     @property
     def speakers(self) -> Sequence[str]:

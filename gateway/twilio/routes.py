@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
-from twilio.twiml.voice_response import Connect, VoiceResponse
+from twilio.twiml.voice_response import Connect, Dial, VoiceResponse
 
+from gateway.call import TransferTo
 from gateway.twilio.session import Dialog, TwilioSession
 
 if TYPE_CHECKING:
@@ -69,8 +70,19 @@ def build_router(state: GatewayState, dialog: Dialog) -> APIRouter:
         if not checker.check(request, form, websocket=False):
             state.metrics.signature_rejections.labels("after-stream").inc()
             return _forbidden()
+        call_sid = form.get("CallSid")
+        outcome = state.outcomes.pop(call_sid, None) if isinstance(call_sid, str) else None
         response = VoiceResponse()
-        response.hangup()
+        if isinstance(outcome, TransferTo):
+            if outcome.target.startswith(("sip:", "sips:")):
+                dial = Dial()
+                dial.sip(outcome.target)
+                response.append(dial)
+            else:
+                response.dial(outcome.target)
+            log.info("call %s: transferring to %s", call_sid, outcome.target)
+        else:
+            response.hangup()
         return _twiml(response)
 
     @router.websocket("/media")

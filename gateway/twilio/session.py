@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from gateway.call import Call, Codec, Dtmf, Hangup, PlaybackDone, Voice
+from gateway.call import Call, CallOutcome, Codec, Dtmf, HangUp, Hangup, PlaybackDone
 from gateway.errors import CallProtocolError
 from gateway.twilio.protocol import (
     Connected,
@@ -45,9 +45,16 @@ class TwilioTransport:
 
     codec: Codec = "pcmu"
 
-    def __init__(self, websocket: WebSocket, protocol: MediaStreamProtocol) -> None:
+    def __init__(
+        self,
+        websocket: WebSocket,
+        protocol: MediaStreamProtocol,
+        outcomes: dict[str, CallOutcome] | None = None,
+    ) -> None:
         self._ws = websocket
         self._protocol = protocol
+        self._outcomes = outcomes if outcomes is not None else {}
+        self.call_sid: str | None = None
         # Frames, marks and clear come from the utterance task and the receive loop; one lock
         # keeps each message whole and in order on the socket.
         self._lock = asyncio.Lock()
@@ -71,7 +78,13 @@ class TwilioTransport:
         await self._write(self._protocol.send(OutboundClear()))
 
     async def hangup(self) -> None:
-        # Closing the stream makes Twilio continue with the <Connect action> URL.
+        await self.end(HangUp())
+
+    async def end(self, outcome: CallOutcome) -> None:
+        # Closing the stream makes Twilio request the <Connect action> URL, which answers with
+        # <Dial> or <Hangup/> from the outcome recorded here.
+        if self.call_sid is not None:
+            self._outcomes[self.call_sid] = outcome
         async with self._lock:
             if self._ws.application_state is WebSocketState.CONNECTED:
                 await self._ws.close(code=1000)
@@ -85,7 +98,7 @@ class TwilioSession:
         self.state = state
         self.dialog = dialog
         self.protocol = MediaStreamProtocol(max_message_bytes=state.settings.max_message_bytes)
-        self.transport = TwilioTransport(websocket, self.protocol)
+        self.transport = TwilioTransport(websocket, self.protocol, state.outcomes)
         self.call: Call | None = None
         self._dialog_task: asyncio.Task[None] | None = None
         self.inbound_frames = 0
@@ -148,12 +161,7 @@ class TwilioSession:
     def _start(self, event: Start) -> None:
         settings = self.state.settings
         meta = event.start
-        voice = Voice(
-            speaker=meta.customParameters.get("speaker", settings.speaker),
-            language=meta.customParameters.get("language", settings.language),
-            instruct=settings.instruct,
-            seed=settings.seed,
-        )
+        voice = self.state.call_voice()
         metrics = self.state.metrics
         self.call = Call(
             meta.callSid,
@@ -164,6 +172,11 @@ class TwilioSession:
             transport_name="twilio",
             max_frames_per_send=settings.frames_per_message,
         )
+        params = meta.customParameters
+        self.call.parameters.update(
+            caller=params.get("From", ""), called=params.get("To", ""), call_id=meta.callSid
+        )
+        self.transport.call_sid = meta.callSid
         self.state.calls[meta.callSid] = self.call
         metrics.calls_total.labels("twilio").inc()
         metrics.calls_active.labels("twilio").inc()

@@ -1,0 +1,96 @@
+"""Rendering prompts into the cache: at server start, from the CLI, or lazily per call."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from gateway.audio.g711 import float_to_int16
+from gateway.audio.resample import Decimator24kTo8k
+from gateway.ivr.cache import PromptCache, PromptKey
+from gateway.ivr.script import Script
+from gateway.tts.engine import Engine, SpeechRequest
+from gateway.tts.service import SpeechService
+
+log = logging.getLogger(__name__)
+
+
+def voice_identity(script: Script, clone_identity: Callable[[str], str] | None = None) -> str:
+    """The voice part of a prompt key: a speaker name, or the hash of a stored clone prompt
+    (re-registering a cloned voice changes it, which invalidates its prompts)."""
+    voice = script.voice
+    if voice.speaker is not None:
+        return f"speaker:{voice.speaker.lower()}"
+    assert voice.clone is not None
+    if clone_identity is None:
+        raise ValueError("a cloned voice needs the voice registry to identify it")
+    return f"clone:{voice.clone}:{clone_identity(voice.clone)}"
+
+
+def prompt_key(script: Script, fingerprint: str, identity: str, text: str) -> PromptKey:
+    voice = script.voice
+    return PromptKey(model=fingerprint, voice=identity, language=voice.language,
+                     style=voice.style, text=text, seed=voice.seed)
+
+
+def request_for(script: Script, text: str) -> SpeechRequest:
+    voice = script.voice
+    return SpeechRequest(text=text, speaker=(voice.speaker or "ryan").lower(),
+                         language=voice.language, instruct=voice.style, seed=voice.seed)
+
+
+def pcm_from_chunks(chunks: Iterable[np.ndarray]) -> np.ndarray:
+    """24 kHz float chunks -> the 8 kHz int16 the cache stores (the call's own decimator)."""
+    decimator = Decimator24kTo8k()
+    parts = [decimator.push(chunk) for chunk in chunks]
+    parts.append(decimator.flush())
+    return float_to_int16(np.concatenate(parts) if parts else np.zeros(0, np.float32))
+
+
+def render_blocking(engine: Engine, request: SpeechRequest) -> np.ndarray:
+    """Render one prompt synchronously (CLI)."""
+    return pcm_from_chunks(engine.stream(request))
+
+
+async def render_missing(
+    script: Script,
+    cache: PromptCache,
+    speech: SpeechService,
+    fingerprint: str,
+    identity: str,
+) -> tuple[int, int]:
+    """Load every static prompt into memory, rendering the missing ones through the scheduler.
+
+    Returns ``(hits, rendered)``. Renders run concurrently, one per free slot.
+    """
+    hits = rendered = 0
+    todo: list[tuple[PromptKey, str]] = []
+    for text in script.static_sentences():
+        key = prompt_key(script, fingerprint, identity, text)
+        if cache.get(key) is not None:
+            hits += 1
+        else:
+            todo.append((key, text))
+
+    async def render_one(key: PromptKey, text: str) -> None:
+        nonlocal rendered
+        t0 = time.monotonic()
+        stream = speech.stream(request_for(script, text))
+        chunks = [chunk async for chunk in stream]
+        cache.put(key, pcm_from_chunks(chunks), render_s=time.monotonic() - t0)
+        rendered += 1
+
+    # Deadline order in the scheduler is submission order here; bound the burst by the slots.
+    limit = asyncio.Semaphore(max(1, len(speech.engines)))
+
+    async def bounded(key: PromptKey, text: str) -> None:
+        async with limit:
+            await render_one(key, text)
+
+    await asyncio.gather(*(bounded(key, text) for key, text in todo))
+    log.info("prompt cache for %r: %d hit(s), %d rendered", script.name, hits, rendered)
+    return hits, rendered

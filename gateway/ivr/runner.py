@@ -1,0 +1,437 @@
+"""The per-call IVR interpreter: the only thing that decides what a call hears.
+
+It walks the script's nodes: speaks (from the prompt cache when the sentence is static, live
+through the scheduler when it has variables), gathers DTMF with timeouts and retries, calls the
+company's webhook, and ends the call with a transport-neutral outcome (transfer or hang-up).
+Time comes from an injected :class:`Clock`, so tests run gathers and timeouts in virtual time.
+
+Barge-in: while an interruptible ``say`` plays, a key press or the caller starting to speak
+stops it exactly like a DTMF barge-in; the digit is kept as type-ahead for the next gather.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import numpy as np
+
+from gateway.call import (
+    Call,
+    CallEvent,
+    Dtmf,
+    HangUp,
+    Hangup,
+    PlaybackDone,
+    SpeechFailed,
+    SpeechStarted,
+    TransferTo,
+    Utterance,
+)
+from gateway.ivr.cache import PromptCache, PromptKey
+from gateway.ivr.script import (
+    Gather,
+    SayItem,
+    Script,
+    Sentence,
+    Webhook,
+    render,
+    template_variables,
+)
+
+log = logging.getLogger(__name__)
+
+#: Largest webhook response accepted; anything bigger is treated as a failed webhook.
+MAX_WEBHOOK_BYTES = 64 * 1024
+#: Longest variable value merged from a webhook (it may be read out; it is never executed).
+MAX_VARIABLE_CHARS = 200
+#: Nodes visited by one call before the runner gives up (a script loop with no caller input).
+MAX_STEPS = 1000
+
+
+class Clock(Protocol):
+    """Time as the runner sees it."""
+
+    def now(self) -> float: ...
+
+    async def next_event(self, call: Call, timeout: float | None) -> CallEvent | None:
+        """The call's next event, or ``None`` once ``timeout`` seconds have passed."""
+
+
+class RealClock:
+    """Monotonic time and real waiting."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def next_event(self, call: Call, timeout: float | None) -> CallEvent | None:
+        try:
+            return await asyncio.wait_for(call.events.get(), timeout)
+        except TimeoutError:
+            return None
+
+
+class VirtualClock:
+    """Test clock: time moves only when the test calls :meth:`advance`."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = start
+        self._timers: list[tuple[float, asyncio.Future[None]]] = []
+        #: Timed waits started so far (tests wait for the runner to reach the next one).
+        self.waits = 0
+
+    def now(self) -> float:
+        return self._now
+
+    async def advance(self, seconds: float) -> None:
+        """Move time forward, firing every timeout that falls due, and let tasks run."""
+        target = self._now + seconds
+        while True:
+            due = sorted((t for t in self._timers if t[0] <= target), key=lambda t: t[0])
+            if not due:
+                break
+            deadline, future = due[0]
+            self._timers.remove(due[0])
+            self._now = deadline
+            if not future.done():
+                future.set_result(None)
+            for _ in range(5):
+                await asyncio.sleep(0)
+        self._now = target
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    @property
+    def waiting(self) -> bool:
+        """True while something waits on a timeout."""
+        return any(not f.done() for _, f in self._timers)
+
+    async def next_event(self, call: Call, timeout: float | None) -> CallEvent | None:
+        getter = asyncio.ensure_future(call.events.get())
+        if timeout is None:
+            return await getter
+        timer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (self._now + timeout, timer)
+        self.waits += 1
+        self._timers.append(entry)
+        try:
+            waiters: set[asyncio.Future[Any]] = {getter, timer}
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if entry in self._timers:
+                self._timers.remove(entry)
+        if getter in done:
+            timer.cancel()
+            return getter.result()
+        getter.cancel()
+        return None
+
+
+class _CallEnded(Exception):
+    """The caller hung up: stop the script."""
+
+
+class _Failed(Exception):
+    """A step failed (speech, webhook): go to the error node."""
+
+
+@dataclass
+class RunnerContext:
+    """What every call's runner shares (per gateway, not per call)."""
+
+    script: Script
+    cache: PromptCache
+    model_fingerprint: str
+    voice_identity: str
+    clock: Clock = field(default_factory=RealClock)
+    http: httpx.AsyncClient | None = None
+    #: WAV files named by ``play`` nodes, loaded and converted to 8 kHz PCM at start-up.
+    sounds: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def key(self, text: str) -> PromptKey:
+        voice = self.script.voice
+        return PromptKey(
+            model=self.model_fingerprint,
+            voice=self.voice_identity,
+            language=voice.language,
+            style=voice.style,
+            text=text,
+            seed=voice.seed,
+        )
+
+
+class IvrRunner:
+    """Runs one call through the script."""
+
+    def __init__(self, call: Call, context: RunnerContext, variables: dict[str, str]) -> None:
+        self.call = call
+        self.ctx = context
+        self.script = context.script
+        self.clock = context.clock
+        self.variables: dict[str, str] = {**self.script.variables, **variables}
+        self.typeahead: list[str] = []
+        self.path: list[str] = []
+        self._turn_at = call.answered_at
+
+    async def run(self) -> None:
+        """Drive the call from ``start`` until it is transferred, hung up, or the caller leaves."""
+        node_name: str | None = self.script.start
+        try:
+            for _ in range(MAX_STEPS):
+                if node_name is None:
+                    break
+                node_name = await self._step(node_name)
+            else:
+                log.error("call %s: %d steps without end; hanging up", self.call.call_id, MAX_STEPS)
+            if self.call.outcome is None and not self.call.ended:
+                await self.call.end(HangUp())
+        except _CallEnded:
+            log.info("call %s: caller left during %s", self.call.call_id, self.path[-1:])
+
+    # --- nodes --------------------------------------------------------------------------------
+
+    async def _step(self, name: str) -> str | None:
+        node = self.script.nodes[name]
+        self.path.append(name)
+        try:
+            if node.say:
+                await self._speak(node.say, barge_in=node.barge_in)
+            elif node.play is not None:
+                await self._play_file(node.play, barge_in=node.barge_in)
+            if node.gather is not None:
+                return await self._gather(node.gather)
+            if node.webhook is not None:
+                await self._webhook(name, node.webhook)
+                return node.next
+            if node.transfer is not None:
+                await self.call.end(TransferTo(node.transfer))
+                return None
+            if node.hangup:
+                await self.call.end(HangUp())
+                return None
+            return node.next
+        except _Failed as exc:
+            log.warning("call %s: node %s failed: %s", self.call.call_id, name, exc)
+            target = self._on_error(name)
+            if target is None:
+                await self.call.end(HangUp())
+            return target
+
+    def _on_error(self, name: str) -> str | None:
+        node = self.script.nodes[name]
+        if node.webhook is not None and node.webhook.on_error:
+            return node.webhook.on_error
+        error = self.script.error
+        # Never loop on a failing error node.
+        return error if error is not None and error != name else None
+
+    # --- speaking -----------------------------------------------------------------------------
+
+    async def _speak(self, items: Sequence[SayItem], *, barge_in: bool) -> bool:
+        """Say ``items`` in order; False if the caller barged in (the rest is skipped)."""
+        for item in items:
+            text = render(self.script.sentence(item), self.variables)
+            if not text.strip():
+                continue
+            utterance = self._start_utterance(item, text)
+            if not await self._wait_played(utterance, barge_in=barge_in):
+                return False
+            self._after_utterance(item, text, utterance)
+        return True
+
+    def _start_utterance(self, item: SayItem, text: str) -> Utterance:
+        static = not template_variables(self.script.sentence(item))
+        cacheable = static or (isinstance(item, Sentence) and item.cache)
+        turn = self._turn_at
+        if cacheable:
+            pcm = self.ctx.cache.peek(self.ctx.key(text))
+            if pcm is not None:
+                return self.call.play(pcm, label=text, turn_started_at=turn)
+        return self.call.say(text, turn_started_at=turn, capture=cacheable)
+
+    def _after_utterance(self, item: SayItem, text: str, utterance: Utterance) -> None:
+        # A cacheable sentence rendered live (a cache miss) is stored once complete.
+        pcm = utterance.captured_pcm()
+        if pcm is not None and len(pcm):
+            self.ctx.cache.put(self.ctx.key(text), pcm)
+
+    async def _play_file(self, name: str, *, barge_in: bool) -> bool:
+        pcm = self.ctx.sounds.get(name)
+        if pcm is None:
+            raise _Failed(f"sound {name!r} was not loaded")
+        utterance = self.call.play(pcm, label=f"file:{name}", turn_started_at=self._turn_at)
+        return await self._wait_played(utterance, barge_in=barge_in)
+
+    async def _wait_played(self, utterance: Utterance, *, barge_in: bool) -> bool:
+        """Wait until ``utterance`` has played; handle events meanwhile.
+
+        Returns False on barge-in (the utterance is stopped and cleared). Raises on hang-up
+        and on a failed generation.
+        """
+        while not utterance.played.is_set():
+            if utterance.error is not None:
+                raise _Failed(utterance.error)
+            event = await self._next_event(timeout=0.05 if utterance.task is None else None,
+                                           utterance=utterance)
+            if event is None:
+                continue
+            if isinstance(event, Dtmf | SpeechStarted) and barge_in:
+                await self.call.barge_in()
+                self._turn_at = event.at
+                if isinstance(event, Dtmf):
+                    self.typeahead.append(event.digit)
+                return False
+            if isinstance(event, SpeechFailed) and event.utterance_id == utterance.id:
+                raise _Failed(event.reason)
+        return True
+
+    async def _next_event(self, timeout: float | None,
+                          utterance: Utterance | None = None) -> CallEvent | None:
+        """Next event, with hang-ups turned into :class:`_CallEnded`.
+
+        While an utterance plays, the wait also ends when it finishes (its mark comes back as a
+        :class:`PlaybackDone` event) or fails.
+        """
+        if utterance is not None:
+            getter = asyncio.ensure_future(self.clock.next_event(self.call, None))
+            played = asyncio.ensure_future(utterance.played.wait())
+            generated = asyncio.ensure_future(_failed(utterance))
+            done, pending = await asyncio.wait({getter, played, generated},
+                                               return_when=asyncio.FIRST_COMPLETED)
+            for future in pending:
+                future.cancel()
+            if getter not in done:
+                return None
+            event = getter.result()
+        else:
+            event = await self.clock.next_event(self.call, timeout)
+        if isinstance(event, Hangup) or self.call.ended:
+            raise _CallEnded()
+        if isinstance(event, PlaybackDone):
+            return None
+        return event
+
+    # --- gathering ----------------------------------------------------------------------------
+
+    async def _gather(self, gather: Gather) -> str | None:
+        attempt = 0
+        while True:
+            digits = await self._collect(gather, retry=attempt > 0)
+            if digits:
+                target = gather.branch.get(digits) or gather.branch.get("default")
+                if target is not None:
+                    self.variables[gather.store] = digits
+                    return target
+                log.info("call %s: no branch for %r", self.call.call_id, digits)
+            attempt += 1
+            if attempt > gather.retries:
+                return gather.fallback or self.script.error
+
+    async def _collect(self, gather: Gather, *, retry: bool) -> str:
+        """Prompt (unless type-ahead already answered) and collect one answer."""
+        entered: list[str] = []
+        if not self.typeahead:
+            prompt = [*gather.retry_prompt, *gather.prompt] if retry else list(gather.prompt)
+            # Gather prompts are always interruptible: keys pressed during them are the answer.
+            await self._speak(prompt, barge_in=True)
+        timeout = gather.timeout
+        while True:
+            while self.typeahead:
+                digit = self.typeahead.pop(0)
+                if gather.terminator is not None and digit == gather.terminator:
+                    return "".join(entered)
+                entered.append(digit)
+                if gather.digits is not None and len(entered) >= gather.digits:
+                    return "".join(entered)
+            event = await self._next_event(timeout)
+            if event is None:
+                # Timed out: what was typed so far is the answer (empty = no input).
+                return "".join(entered)
+            if isinstance(event, Dtmf):
+                self._turn_at = event.at
+                self.typeahead.append(event.digit)
+                timeout = gather.inter_digit_timeout
+
+    # --- webhook ------------------------------------------------------------------------------
+
+    async def _webhook(self, name: str, hook: Webhook) -> None:
+        names = hook.send if hook.send is not None else sorted(self.variables)
+        body = {
+            "call_id": self.call.call_id,
+            "node": name,
+            "variables": {k: self.variables.get(k, "") for k in names},
+        }
+        client = self.ctx.http
+        own = client is None
+        client = client or httpx.AsyncClient()
+        try:
+            response = await client.post(hook.url, json=body, timeout=hook.timeout)
+            if response.status_code >= 400:
+                raise _Failed(f"webhook {hook.url} answered {response.status_code}")
+            if len(response.content) > MAX_WEBHOOK_BYTES:
+                raise _Failed(f"webhook {hook.url} answered more than {MAX_WEBHOOK_BYTES} bytes")
+            data = response.json()
+        except httpx.TimeoutException:
+            raise _Failed(f"webhook {hook.url} timed out after {hook.timeout:g} s") from None
+        except httpx.HTTPError as exc:
+            raise _Failed(f"webhook {hook.url} failed: {exc}") from None
+        except ValueError:
+            raise _Failed(f"webhook {hook.url} did not answer JSON") from None
+        finally:
+            if own:
+                await client.aclose()
+        if not isinstance(data, dict):
+            raise _Failed(f"webhook {hook.url} answered JSON that is not an object")
+        merged = _merge_variables(data)
+        self.variables.update(merged)
+        # The turn that follows a webhook is measured from its answer.
+        self._turn_at = time.monotonic()
+        log.info("call %s: webhook %s set %s", self.call.call_id, name, sorted(merged))
+
+
+async def _failed(utterance: Utterance) -> None:
+    """Completes when the utterance's task ends with an error (no mark will come)."""
+    if utterance.task is not None:
+        try:
+            await asyncio.shield(utterance.task)
+        except BaseException:
+            pass
+    if utterance.error is None:
+        # Ended normally: keep waiting for the mark.
+        await asyncio.Event().wait()
+
+
+def _merge_variables(data: dict[str, Any]) -> dict[str, str]:
+    """Scalar values of a webhook answer as plain-text variables (nested values are ignored)."""
+    merged: dict[str, str] = {}
+    for key, value in data.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            continue
+        if isinstance(value, bool):
+            value = "yes" if value else "no"
+        if isinstance(value, (str, int, float)):
+            merged[key] = str(value)[:MAX_VARIABLE_CHARS]
+    return merged
+
+
+def load_sound(path: Path) -> np.ndarray:
+    """A WAV file as 8 kHz mono int16 (any rate and channel count soundfile reads)."""
+    import soundfile as sf
+    from scipy.signal import resample_poly
+
+    audio, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    mono = audio.mean(axis=1)
+    if rate != 8000:
+        from math import gcd
+
+        g = gcd(int(rate), 8000)
+        mono = resample_poly(mono, 8000 // g, int(rate) // g).astype(np.float32)
+    from gateway.audio.g711 import float_to_int16
+
+    return float_to_int16(mono)

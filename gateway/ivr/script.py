@@ -1,0 +1,653 @@
+"""IVR scripts: the YAML authors write, loaded into typed objects and validated.
+
+A script is one YAML file (see ``prompts/demo.yaml``)::
+
+    name: Acme customer service
+    voice: {speaker: ryan, language: English}   # or {clone: acme-anna}
+    start: welcome
+    error: sorry                 # where a failed webhook or speech goes (optional)
+    prompts:                     # named sentences, reusable, cached when they have no {variables}
+      hello: Thank you for calling Acme.
+    nodes:
+      welcome:
+        say: hello               # prompt names or literal sentences, one or a list
+        next: menu
+      menu:
+        gather:
+          prompt: Press 1 for your balance, or 2 for an agent.
+          digits: 1
+          branch: {"1": balance, "2": agent}
+          fallback: agent        # after the retries run out
+      ...
+
+Every node may say or play something first, then does exactly one of: ``gather`` (DTMF, which
+branches), ``webhook`` (then ``next``), ``transfer``, ``hangup`` or ``next``.
+
+Errors are reported as ``file:line:column: message`` in plain English, all at once: YAML syntax,
+schema (unknown or missing fields, wrong types), and logic (unknown node or prompt references,
+unreachable nodes, a gather with no way out, variables nothing can set, unsupported language or
+speaker, text too long for one utterance, duplicate names).
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from gateway.errors import GatewayError
+
+#: Longest sentence spoken as one utterance (~25 s of speech). Longer text should be split into
+#: several sentences so the caller can barge in between them and a failure loses less.
+MAX_SENTENCE_CHARS = 400
+
+#: The published Qwen3-TTS CustomVoice speakers and languages (validation without a model).
+SPEAKERS = ("aiden", "dylan", "eric", "ono_anna", "ryan", "serena", "sohee", "uncle_fu", "vivian")
+LANGUAGES = ("Auto", "Chinese", "English", "French", "German", "Italian", "Japanese", "Korean",
+             "Portuguese", "Russian", "Spanish")
+
+#: Variables every call has.
+BUILTIN_VARIABLES = frozenset({"caller", "called", "call_id"})
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_PHONE = re.compile(r"^\+[1-9][0-9]{6,14}$")
+_SIP_URI = re.compile(r"^sips?:[^@\s]+@[^\s]+$")
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
+
+
+class ScriptError(GatewayError):
+    """A script failed to load or validate; ``diagnostics`` holds every problem found."""
+
+    def __init__(self, diagnostics: list[Diagnostic]) -> None:
+        self.diagnostics = sorted(diagnostics, key=lambda d: (d.file, d.line, d.column, d.message))
+        super().__init__("\n".join(str(d) for d in self.diagnostics))
+
+
+@dataclass(frozen=True, order=True)
+class Diagnostic:
+    """One problem, where it is, in words an author understands."""
+
+    file: str
+    line: int
+    column: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}: {self.message}"
+
+
+# --- YAML with positions ----------------------------------------------------------------------
+
+
+class _Map(dict[str, Any]):
+    """A YAML mapping that remembers where each key and value is (1-based line, column)."""
+
+    key_pos: dict[str, tuple[int, int]]
+    value_pos: dict[str, tuple[int, int]]
+    pos: tuple[int, int]
+
+
+class _Seq(list[Any]):
+    """A YAML sequence that remembers where each item is."""
+
+    item_pos: list[tuple[int, int]]
+    pos: tuple[int, int]
+
+
+def _mark(node: yaml.Node) -> tuple[int, int]:
+    return node.start_mark.line + 1, node.start_mark.column + 1
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that records positions and reports duplicate keys instead of dropping them."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.duplicates: list[tuple[tuple[int, int], str, tuple[int, int]]] = []
+
+
+def _construct_map(loader: _Loader, node: yaml.MappingNode) -> _Map:
+    result = _Map()
+    result.key_pos, result.value_pos, result.pos = {}, {}, _mark(node)
+    loader.flatten_mapping(node)
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        key = str(key) if not isinstance(key, str) else key
+        if key in result:
+            loader.duplicates.append((_mark(key_node), key, result.key_pos[key]))
+        result[key] = loader.construct_object(value_node, deep=True)
+        result.key_pos[key] = _mark(key_node)
+        result.value_pos[key] = _mark(value_node)
+    return result
+
+
+def _construct_seq(loader: _Loader, node: yaml.SequenceNode) -> _Seq:
+    result = _Seq(loader.construct_object(child, deep=True) for child in node.value)
+    result.item_pos, result.pos = [_mark(child) for child in node.value], _mark(node)
+    return result
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_map)
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_seq)
+
+
+def _position(tree: Any, loc: Iterable[str | int]) -> tuple[int, int]:
+    """Deepest known position along ``loc`` in the loaded tree (for schema errors)."""
+    pos = getattr(tree, "pos", (1, 1))
+    node = tree
+    for part in loc:
+        if isinstance(node, _Map) and isinstance(part, str) and part in node:
+            pos = node.value_pos[part]
+            node = node[part]
+        elif isinstance(node, _Map) and isinstance(part, str):
+            return pos
+        elif isinstance(node, _Seq) and isinstance(part, int) and 0 <= part < len(node):
+            pos = node.item_pos[part]
+            node = node[part]
+        else:
+            continue
+    return pos
+
+
+def _key_position(tree: Any, path: Iterable[str | int]) -> tuple[int, int]:
+    """Position of the *key* at the end of ``path`` (where a name is defined)."""
+    parts = list(path)
+    parent: Any = tree
+    for part in parts[:-1]:
+        if isinstance(parent, _Map) and isinstance(part, str) and part in parent:
+            parent = parent[part]
+        elif isinstance(parent, _Seq) and isinstance(part, int) and 0 <= part < len(parent):
+            parent = parent[part]
+    last = parts[-1] if parts else None
+    if isinstance(parent, _Map) and isinstance(last, str) and last in parent.key_pos:
+        return parent.key_pos[last]
+    return _position(tree, parts)
+
+
+# --- the schema -------------------------------------------------------------------------------
+
+
+def _seconds(value: Any) -> Any:
+    """``5``, ``5s``, ``1.5 s``, ``500ms`` -> seconds as a float."""
+    if isinstance(value, bool):
+        raise ValueError(f"'{value}' is not a duration: write 5s, 1.5s or 500ms")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match:
+            number = float(match.group(1))
+            return number / 1000 if match.group(2) == "ms" else number
+    raise ValueError(f"'{value}' is not a duration: write 5s, 1.5s or 500ms")
+
+
+Seconds = Annotated[float, BeforeValidator(_seconds), Field(gt=0, le=600)]
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, (str, dict)) else value
+
+
+class Sentence(BaseModel):
+    """A literal sentence that may opt in to caching after its first live render."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    text: str
+    cache: bool = False
+
+
+SayItem = str | Sentence
+SayList = Annotated[list[SayItem], BeforeValidator(_as_list)]
+
+
+class Voice(BaseModel):
+    """Who speaks: a CustomVoice speaker, or a registered cloned voice."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    speaker: str | None = None
+    clone: str | None = None
+    language: str = "English"
+    style: str | None = None
+    #: Sampling seed for cached prompts: re-renders are reproducible.
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Voice:
+        if (self.speaker is None) == (self.clone is None):
+            raise ValueError("give exactly one of 'speaker' (a built-in voice) or 'clone' "
+                             "(a voice registered with `gateway voices add`)")
+        return self
+
+
+class Gather(BaseModel):
+    """Collect DTMF digits, with retries, then branch."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    prompt: SayList = Field(default_factory=list)
+    digits: int | None = Field(None, ge=1, le=32)
+    terminator: Literal["#", "*"] | None = None
+    timeout: Seconds = 5.0
+    inter_digit_timeout: Seconds = 3.0
+    retries: int = Field(2, ge=0, le=10)
+    retry_prompt: SayList = Field(default_factory=list)
+    store: str = "digits"
+    branch: dict[str, str] = Field(default_factory=dict)
+    fallback: str | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _store_name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(f"'{value}' is not a variable name (letters, digits, underscore)")
+        return value
+
+    @model_validator(mode="after")
+    def _ends(self) -> Gather:
+        if self.digits is None and self.terminator is None:
+            raise ValueError("say how input ends: 'digits' (how many) and/or 'terminator' (# or *)")
+        for key in self.branch:
+            if key != "default" and not re.fullmatch(r"[0-9*#A-D]+", key):
+                raise ValueError(f"branch key '{key}' is not a keypad sequence (or 'default')")
+        return self
+
+
+class Webhook(BaseModel):
+    """POST the call's variables to the company's backend; merge the JSON it returns."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    url: str
+    timeout: Seconds = 3.0
+    send: list[str] | None = None
+    sets: list[str] = Field(default_factory=list)
+    on_error: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, value: str) -> str:
+        value = expand_env(value)
+        if not re.match(r"^https?://[^\s/]+", value):
+            raise ValueError(f"'{value}' is not an http:// or https:// URL")
+        return value
+
+
+class Node(BaseModel):
+    """One step of the call flow."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    say: SayList | None = None
+    play: str | None = None
+    barge_in: bool = True
+    gather: Gather | None = None
+    webhook: Webhook | None = None
+    transfer: str | None = None
+    hangup: bool | None = None
+    next: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> Node:
+        if self.say is not None and self.play is not None:
+            raise ValueError("a node says or plays, not both: split it into two nodes")
+        steps = [name for name in ("gather", "webhook", "transfer", "hangup")
+                 if getattr(self, name) not in (None, False)]
+        if self.hangup is False:
+            raise ValueError("'hangup: false' means nothing; remove it or use 'next'")
+        if len(steps) > 1:
+            raise ValueError(f"a node does one thing after speaking; this one has "
+                             f"{' and '.join(steps)}: split it into nodes")
+        if steps and steps[0] in ("transfer", "hangup", "gather") and self.next is not None:
+            raise ValueError(f"'next' has no effect after '{steps[0]}'")
+        if not steps and self.next is None:
+            raise ValueError("this node does not say where the call goes: add 'next', "
+                             "'gather', 'webhook', 'transfer' or 'hangup: true'")
+        if self.webhook is not None and self.next is None:
+            raise ValueError("a webhook node needs 'next' (where to go when it succeeds)")
+        if self.transfer is not None and not (
+            _PHONE.match(self.transfer) or _SIP_URI.match(self.transfer)
+        ):
+            raise ValueError(f"transfer target '{self.transfer}' is neither an E.164 phone "
+                             "number (+15551234567) nor a SIP URI (sip:agent@pbx.example.com)")
+        return self
+
+
+class Script(BaseModel):
+    """A whole IVR."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    voice: Voice
+    start: str
+    error: str | None = None
+    variables: dict[str, str] = Field(default_factory=dict)
+    prompts: dict[str, str] = Field(default_factory=dict)
+    nodes: dict[str, Node]
+
+    #: Where the script came from (set by the loader; not part of the YAML).
+    path: Path | None = Field(None, exclude=True)
+
+    # --- what speaks ----------------------------------------------------------------------
+
+    def is_prompt_ref(self, item: SayItem) -> bool:
+        return isinstance(item, str) and item in self.prompts
+
+    def sentence(self, item: SayItem) -> str:
+        """The text an item stands for (a prompt's text, or the literal sentence)."""
+        if isinstance(item, Sentence):
+            return item.text
+        return self.prompts.get(item, item)
+
+    def static_sentences(self) -> list[str]:
+        """Every sentence without variables: rendered once, served from the cache."""
+        found: dict[str, None] = {}
+        for _, item in self.say_items():
+            text = self.sentence(item)
+            if not template_variables(text):
+                found.setdefault(text, None)
+        return list(found)
+
+    def say_items(self) -> Iterator[tuple[str, SayItem]]:
+        """``(node name, item)`` for everything any node may say."""
+        for name, node in self.nodes.items():
+            for item in node.say or []:
+                yield name, item
+            if node.gather is not None:
+                for item in (*node.gather.prompt, *node.gather.retry_prompt):
+                    yield name, item
+
+
+# --- templates --------------------------------------------------------------------------------
+
+
+_FORMATTER = string.Formatter()
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(value: str) -> str:
+    """``${NAME}`` / ``${NAME:-default}`` from the environment (backend URLs per deployment)."""
+    import os
+
+    def replace(match: re.Match[str]) -> str:
+        found = os.environ.get(match.group(1))
+        if found is None:
+            if match.group(2) is None:
+                raise ValueError(f"environment variable {match.group(1)} is not set")
+            return match.group(2)
+        return found
+
+    return _ENV.sub(replace, value)
+
+
+def template_variables(text: str) -> list[str]:
+    """Names used as ``{name}`` in ``text`` (raises ValueError on malformed braces)."""
+    names = []
+    for _, field, spec, conversion in _FORMATTER.parse(text):
+        if field is None:
+            continue
+        if not _NAME.match(field) or spec or conversion:
+            raise ValueError(f"'{{{field}}}' is not a simple variable: write {{name}} with "
+                             "letters, digits and underscores only")
+        names.append(field)
+    return names
+
+
+def render(text: str, variables: dict[str, str]) -> str:
+    """Fill ``{name}`` placeholders. Values are inserted as plain text, never re-interpreted."""
+    out = []
+    for literal, field, _, _ in _FORMATTER.parse(text):
+        out.append(literal)
+        if field is not None:
+            out.append(str(variables.get(field, "")))
+    return "".join(out)
+
+
+# --- loading and validation -------------------------------------------------------------------
+
+
+def load_script(
+    path: str | Path,
+    *,
+    voice_exists: Callable[[str], bool] | None = None,
+    speakers: Iterable[str] = SPEAKERS,
+    languages: Iterable[str] = LANGUAGES,
+) -> Script:
+    """Load and validate ``path``; raise :class:`ScriptError` listing every problem."""
+    path = Path(path)
+    label = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ScriptError(
+            [Diagnostic(label, 1, 1, f"cannot read the script: {exc.strerror}")]
+        ) from None
+    except UnicodeDecodeError:
+        raise ScriptError([Diagnostic(label, 1, 1, "the script is not UTF-8 text")]) from None
+    return parse_script(text, label, base_dir=path.parent, voice_exists=voice_exists,
+                        speakers=speakers, languages=languages)
+
+
+def parse_script(
+    text: str,
+    label: str = "<script>",
+    *,
+    base_dir: Path | None = None,
+    voice_exists: Callable[[str], bool] | None = None,
+    speakers: Iterable[str] = SPEAKERS,
+    languages: Iterable[str] = LANGUAGES,
+) -> Script:
+    """Parse and validate script ``text`` (``label`` names it in messages)."""
+    problems: list[Diagnostic] = []
+
+    def report(pos: tuple[int, int], message: str) -> None:
+        problems.append(Diagnostic(label, pos[0], pos[1], message))
+
+    loader = _Loader(text)
+    try:
+        tree = loader.get_single_data()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
+        problem = getattr(exc, "problem", None) or str(exc)
+        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and context_mark is not None:
+            problem += (f" ({context} that starts at line {context_mark.line + 1}, "
+                        f"column {context_mark.column + 1})")
+        diagnostic = Diagnostic(label, where[0], where[1], f"YAML syntax: {problem}")
+        raise ScriptError([diagnostic]) from None
+    finally:
+        loader.dispose()
+    for pos, key, first in loader.duplicates:
+        report(pos, f"'{key}' is defined twice (first at line {first[0]}); names must be unique")
+    if not isinstance(tree, _Map):
+        report((1, 1), "a script is a mapping with name, voice, start, prompts and nodes")
+        raise ScriptError(problems)
+
+    try:
+        script = Script.model_validate(tree)
+    except ValidationError as exc:
+        for error in exc.errors(include_url=False, include_input=False):
+            loc = [part for part in error["loc"] if not _is_union_tag(part)]
+            where = (_key_position(tree, loc) if error.get("type") == "extra_forbidden"
+                     else _position(tree, loc))
+            report(where, _schema_message(loc, error))
+        raise ScriptError(problems) from None
+
+    _check_logic(script, tree, report, base_dir, voice_exists, set(speakers), set(languages))
+    if problems:
+        raise ScriptError(problems)
+    return script.model_copy(update={"path": base_dir / Path(label).name if base_dir else None})
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic names union members in locations ("str", "Sentence", "list[...]"): not YAML keys.
+    return isinstance(part, str) and (part in ("str", "Sentence") or part.startswith("list["))
+
+
+def _schema_message(loc: list[Any], error: Any) -> str:
+    where = ".".join(str(p) for p in loc) or "the script"
+    kind = error.get("type", "")
+    if kind == "missing":
+        return f"'{loc[-1]}' is required here ({where})"
+    if kind == "extra_forbidden":
+        return f"unknown field '{loc[-1]}' ({where}): check the spelling"
+    message = str(error.get("msg", "")).removeprefix("Value error, ")
+    return f"{where}: {message}"
+
+
+def _check_logic(
+    script: Script,
+    tree: _Map,
+    report: Callable[[tuple[int, int], str], None],
+    base_dir: Path | None,
+    voice_exists: Callable[[str], bool] | None,
+    speakers: set[str],
+    languages: set[str],
+) -> None:
+    nodes = script.nodes
+    node_list = ", ".join(sorted(nodes)) or "none"
+
+    def pos(*path: str | int) -> tuple[int, int]:
+        return _position(tree, path)
+
+    def check_node_ref(target: str | None, path: tuple[str | int, ...], what: str) -> None:
+        if target is not None and target not in nodes:
+            report(pos(*path), f"{what} '{target}', which is not a node (nodes: {node_list})")
+
+    # voice
+    voice = script.voice
+    if voice.speaker is not None and voice.speaker.lower() not in speakers:
+        report(pos("voice", "speaker"), f"speaker '{voice.speaker}' is not a built-in voice "
+                                        f"(one of: {', '.join(sorted(speakers))})")
+    if voice.clone is not None and voice_exists is not None and not voice_exists(voice.clone):
+        report(pos("voice", "clone"), f"cloned voice '{voice.clone}' is not registered: add it "
+                                      f"with `gateway voices add {voice.clone} REF.wav --text ...`")
+    if voice.language.lower() not in {lang.lower() for lang in languages}:
+        report(pos("voice", "language"), f"language '{voice.language}' is not supported "
+                                         f"(one of: {', '.join(sorted(languages))})")
+
+    # references
+    check_node_ref(script.start, ("start",), "the call starts at")
+    check_node_ref(script.error, ("error",), "errors go to")
+    for name, node in nodes.items():
+        base = ("nodes", name)
+        check_node_ref(node.next, (*base, "next"), f"node '{name}' goes next to")
+        if node.gather is not None:
+            g = node.gather
+            for digits, target in g.branch.items():
+                check_node_ref(target, (*base, "gather", "branch", digits),
+                               f"node '{name}' sends '{digits}' to")
+            check_node_ref(g.fallback, (*base, "gather", "fallback"),
+                           f"node '{name}' falls back to")
+            if g.fallback is None and script.error is None:
+                report(pos(*base, "gather"), f"node '{name}' gathers digits with no way out when "
+                                             "the caller never answers: add 'fallback: <node>'")
+            if not g.branch:
+                report(pos(*base, "gather"), f"node '{name}' gathers digits but has no 'branch' "
+                                             "saying where each answer goes")
+        if node.webhook is not None:
+            check_node_ref(node.webhook.on_error, (*base, "webhook", "on_error"),
+                           f"node '{name}' goes on error to")
+            if node.webhook.on_error is None and script.error is None:
+                report(pos(*base, "webhook"), f"node '{name}' calls a webhook with nowhere to go "
+                                              "if it fails: add 'on_error: <node>'")
+        if node.play is not None and base_dir is not None:
+            wav = (base_dir / node.play).resolve()
+            if not wav.is_file():
+                report(pos(*base, "play"), f"node '{name}' plays '{node.play}', which does not "
+                                           f"exist (looked in {base_dir})")
+
+    # reachability
+    reachable: set[str] = set()
+    queue = deque(n for n in (script.start, script.error) if n in nodes)
+    while queue:
+        current = queue.popleft()
+        if current in reachable:
+            continue
+        reachable.add(current)
+        node = nodes[current]
+        targets = [node.next]
+        if node.gather is not None:
+            targets += [*node.gather.branch.values(), node.gather.fallback]
+        if node.webhook is not None:
+            targets.append(node.webhook.on_error)
+        queue.extend(t for t in targets if t in nodes and t not in reachable)
+    for name in nodes:
+        if name not in reachable:
+            report(_key_position(tree, ("nodes", name)),
+                   f"node '{name}' is unreachable: nothing leads to it from '{script.start}'")
+
+    # prompts, sentences and variables
+    settable = set(BUILTIN_VARIABLES) | set(script.variables)
+    for node in nodes.values():
+        if node.gather is not None:
+            settable.add(node.gather.store)
+        if node.webhook is not None:
+            settable.update(node.webhook.sets)
+    for prompt_name, text in script.prompts.items():
+        _check_sentence(text, pos("prompts", prompt_name), settable, report)
+    used_prompts: set[str] = set()
+    for path, item in _say_item_paths(script):
+        if isinstance(item, str) and item in script.prompts:
+            used_prompts.add(item)
+        elif isinstance(item, str) and _NAME.match(item) and " " not in item:
+            report(pos(*path), f"'{item}' is not a prompt name (prompts: "
+                               f"{', '.join(sorted(script.prompts)) or 'none'}); "
+                               "write a sentence, or define the prompt")
+        else:
+            _check_sentence(script.sentence(item), pos(*path), settable, report)
+    for prompt_name in script.prompts:
+        if prompt_name not in used_prompts:
+            report(_key_position(tree, ("prompts", prompt_name)),
+                   f"prompt '{prompt_name}' is never used")
+    for name, node in nodes.items():
+        if node.webhook is not None and node.webhook.send:
+            for variable in node.webhook.send:
+                if variable not in settable:
+                    report(pos("nodes", name, "webhook", "send"),
+                           f"node '{name}' sends variable '{variable}', which nothing sets")
+
+
+def _say_item_paths(script: Script) -> Iterator[tuple[tuple[str | int, ...], SayItem]]:
+    for name, node in script.nodes.items():
+        for i, item in enumerate(node.say or []):
+            yield ("nodes", name, "say", i), item
+        if node.gather is not None:
+            for field in ("prompt", "retry_prompt"):
+                for i, item in enumerate(getattr(node.gather, field)):
+                    yield ("nodes", name, "gather", field, i), item
+
+
+def _check_sentence(
+    text: str,
+    where: tuple[int, int],
+    settable: set[str],
+    report: Callable[[tuple[int, int], str], None],
+) -> None:
+    if not text.strip():
+        report(where, "empty sentence")
+        return
+    if len(text) > MAX_SENTENCE_CHARS:
+        report(where, f"sentence of {len(text)} characters is too long for one utterance "
+                      f"(max {MAX_SENTENCE_CHARS}): split it into several")
+    try:
+        names = template_variables(text)
+    except ValueError as exc:
+        report(where, str(exc))
+        return
+    for variable in names:
+        if variable not in settable:
+            report(where, f"variable '{{{variable}}}' is used but nothing sets it (a gather's "
+                          "'store', a webhook's 'sets', or 'variables')")

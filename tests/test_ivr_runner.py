@@ -1,0 +1,381 @@
+"""The IVR runner in virtual time: real engine (tiny model), in-memory transport, fake clock.
+
+The transport here records what a caller would receive and reports each mark as played as soon
+as it is sent (playback itself is the transport's business, tested over real sockets in
+test_ivr_e2e.py). Gather timeouts run on :class:`VirtualClock`, so a 5 s timeout costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from gateway.call import (
+    Call,
+    CallOutcome,
+    Dtmf,
+    HangUp,
+    Hangup,
+    PlaybackDone,
+    SpeechStarted,
+    TransferTo,
+    Voice,
+)
+from gateway.ivr.cache import PromptCache
+from gateway.ivr.prompts import render_missing, voice_identity
+from gateway.ivr.runner import IvrRunner, RunnerContext, VirtualClock
+from gateway.ivr.script import Script, load_script, parse_script
+from gateway.tts.engine import Engine
+from gateway.tts.qwen import QwenEngine
+from gateway.tts.service import SpeechService
+
+DEMO = Path(__file__).resolve().parent.parent / "prompts" / "demo.yaml"
+
+
+class MemoryTransport:
+    """Collects frames; every mark is played back at once."""
+
+    codec = "pcmu"
+
+    def __init__(self) -> None:
+        self.call: Call | None = None
+        self.log: list[tuple[str, Any]] = []
+        self.outcome: CallOutcome | None = None
+
+    async def send_frames(self, frames: list[bytes]) -> None:
+        self.log.append(("frames", len(frames)))
+
+    async def send_mark(self, name: str) -> None:
+        self.log.append(("mark", name))
+        assert self.call is not None
+        call = self.call
+        asyncio.get_running_loop().call_soon(call.deliver, PlaybackDone(name))
+
+    async def clear(self) -> None:
+        self.log.append(("clear", None))
+
+    async def hangup(self) -> None:
+        await self.end(HangUp())
+
+    async def end(self, outcome: CallOutcome) -> None:
+        self.outcome = outcome
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> QwenEngine:
+    engine = QwenEngine(str(tiny_model_dir), device="cpu")
+    engine.warmup()
+    return engine
+
+
+@pytest.fixture
+async def speech(engine: Engine) -> AsyncIterator[SpeechService]:
+    service = SpeechService([engine])
+    service.start()
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def demo(monkeypatch_module: pytest.MonkeyPatch) -> Script:
+    monkeypatch_module.setenv("ACME_BACKEND_URL", "http://backend.test")
+    return load_script(DEMO)
+
+
+@pytest.fixture(scope="module")
+async def demo_cache(demo: Script, engine: Engine) -> PromptCache:
+    """The demo's static prompts rendered once for the module (as the server does at start)."""
+    service = SpeechService([engine])
+    service.start()
+    try:
+        cache = PromptCache(None)
+        await render_missing(demo, cache, service, engine.fingerprint, voice_identity(demo))
+        return cache
+    finally:
+        service.stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Any:
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+class Harness:
+    """A call running the script, driven by the test."""
+
+    def __init__(
+        self,
+        script: Script,
+        speech: SpeechService,
+        engine: Engine,
+        backend: Callable[[httpx.Request], httpx.Response] | None = None,
+        cache: PromptCache | None = None,
+    ) -> None:
+        self.script = script
+        self.clock = VirtualClock()
+        self.transport = MemoryTransport()
+        self.call = Call(
+            "CA" + "7" * 32,
+            self.transport,
+            speech,
+            Voice(),  # type: ignore[arg-type]
+            metrics=None,
+        )
+        self.transport.call = self.call
+        self.cache = cache if cache is not None else PromptCache(None)
+        self.requests: list[dict[str, Any]] = []
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            self.requests.append(json.loads(request.content))
+            assert backend is not None, "unexpected webhook"
+            return backend(request)
+
+        self.context = RunnerContext(
+            script=script,
+            cache=self.cache,
+            model_fingerprint=engine.fingerprint,
+            voice_identity=voice_identity(script),
+            clock=self.clock,
+            http=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
+        )
+        self.speech = speech
+        self.runner = IvrRunner(
+            self.call,
+            self.context,
+            {"caller": "+15550001111", "called": "+15550002222", "call_id": self.call.call_id},
+        )
+        self.task: asyncio.Task[None] | None = None
+        self._waits_seen = 0
+
+    async def start(self, prerender: bool = True) -> None:
+        if prerender:
+            await render_missing(
+                self.script,
+                self.cache,
+                self.speech,
+                self.context.model_fingerprint,
+                self.context.voice_identity,
+            )
+        self.task = asyncio.create_task(self.runner.run())
+
+    async def waiting_for_input(self, timeout: float = 60) -> None:
+        """Until the runner sits in a *new* gather timeout (everything before it has played)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        seen = self._waits_seen
+        while not (self.clock.waiting and self.clock.waits > seen):
+            assert self.task is not None and not self.task.done(), self.runner.path
+            assert loop.time() < deadline, f"not waiting; path {self.runner.path}"
+            await asyncio.sleep(0.01)
+        self._waits_seen = self.clock.waits
+
+    async def press(self, keys: str) -> None:
+        for key in keys:
+            self.call.deliver(Dtmf(key))
+            for _ in range(3):
+                await asyncio.sleep(0)
+        # Waits started while the keys were consumed are not the next prompt's.
+        self._waits_seen = self.clock.waits
+
+    async def finished(self, timeout: float = 60) -> None:
+        assert self.task is not None
+        await asyncio.wait_for(self.task, timeout)
+
+    def spoken(self) -> list[str]:
+        return [u.text for u in self.call.utterances]
+
+
+def balance_backend(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(
+        200, json={"first_name": "Dana", "balance": "42.10", "due_date": "March 3"}
+    )
+
+
+async def test_menu_account_lookup_and_goodbye(
+    demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine
+) -> None:
+    h = Harness(demo, speech, engine, backend=balance_backend, cache=demo_cache)
+    await h.start()
+    await h.waiting_for_input()
+    assert h.runner.path == ["welcome", "menu"]
+    assert h.spoken()[:2] == [demo.prompts["welcome"], demo.sentence("main_menu")]
+    # Static prompts came from the cache: no generation for them.
+    assert all(u.cached for u in h.call.utterances)
+    await h.press("1")
+    await h.waiting_for_input()
+    await h.press("123456#")
+    await h.waiting_for_input()
+    assert h.runner.path[-4:] == ["account", "lookup", "balance", "anything_else"]
+    assert h.requests == [
+        {
+            "call_id": h.call.call_id,
+            "node": "lookup",
+            "variables": {"account_number": "123456", "caller": "+15550001111"},
+        }
+    ]
+    live = [u for u in h.call.utterances if not u.cached]
+    assert [u.text for u in live] == [
+        "Thanks, Dana. Your balance is 42.10 dollars, due on March 3."
+    ]
+    # Hang up by saying nothing: one retry, then the fallback says goodbye and hangs up.
+    await h.clock.advance(6)
+    await h.waiting_for_input()
+    await h.clock.advance(6)
+    await h.finished()
+    assert h.runner.path[-1] == "goodbye" and isinstance(h.transport.outcome, HangUp)
+
+
+async def test_no_input_retries_then_falls_back_to_the_agent(
+    demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine
+) -> None:
+    h = Harness(demo, speech, engine, cache=demo_cache)
+    await h.start()
+    for _ in range(3):  # the first try and two retries, 5 s each, in virtual time
+        await h.waiting_for_input()
+        await h.clock.advance(5)
+    await h.finished()
+    retry = demo.sentence("not_understood")
+    assert h.spoken().count(retry) == 2
+    assert h.runner.path == ["welcome", "menu", "agent"]
+    assert h.transport.outcome == TransferTo("+15555550100")
+
+
+async def test_invalid_key_counts_as_a_retry(
+    demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine
+) -> None:
+    h = Harness(demo, speech, engine, cache=demo_cache)
+    await h.start()
+    await h.waiting_for_input()
+    await h.press("7")
+    await h.waiting_for_input()
+    assert h.spoken()[-2:] == [demo.sentence("not_understood"), demo.sentence("main_menu")]
+    await h.press("2")
+    await h.finished()
+    assert h.transport.outcome == TransferTo("+15555550100")
+
+
+async def test_keys_pressed_during_a_prompt_barge_in_and_count_as_the_answer(
+    demo: Script, speech: SpeechService, engine: Engine, demo_cache: PromptCache
+) -> None:
+    h = Harness(demo, speech, engine)
+    # No pre-rendering: the greeting is generated live, so it is long enough to interrupt.
+    await h.start(prerender=False)
+    while not h.call.utterances or h.call.utterances[0].frames_sent == 0:
+        await asyncio.sleep(0.005)
+    await h.press("2")  # during the greeting: stops it; the menu takes "2" as its answer
+    await h.finished()
+    assert ("clear", None) in h.transport.log
+    assert h.call.utterances[0].interrupted
+    assert h.runner.path == ["welcome", "menu", "agent"]
+    assert demo.sentence("main_menu") not in h.spoken()  # the answer came before the prompt
+
+
+async def test_caller_speech_barges_in_like_a_key(
+    demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine
+) -> None:
+    h = Harness(demo, speech, engine)
+    await h.start(prerender=False)
+    while not h.call.utterances or h.call.utterances[0].frames_sent == 0:
+        await asyncio.sleep(0.005)
+    h.call.deliver(SpeechStarted())
+    await h.waiting_for_input()
+    assert h.call.utterances[0].interrupted and ("clear", None) in h.transport.log
+    assert h.runner.path == ["welcome", "menu"]
+
+
+@pytest.mark.parametrize("failure", ["timeout", "http-500", "not-json", "huge", "not-object"])
+async def test_webhook_failures_go_to_its_error_node(
+    demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine, failure: str
+) -> None:
+    def backend(request: httpx.Request) -> httpx.Response:
+        if failure == "timeout":
+            raise httpx.ReadTimeout("too slow", request=request)
+        if failure == "http-500":
+            return httpx.Response(500, text="boom")
+        if failure == "not-json":
+            return httpx.Response(200, text="<html>")
+        if failure == "huge":
+            return httpx.Response(200, json={"x": "y" * 100_000})
+        return httpx.Response(200, json=["a", "list"])
+
+    h = Harness(demo, speech, engine, backend=backend, cache=demo_cache)
+    await h.start()
+    await h.waiting_for_input()
+    await h.press("1")
+    await h.waiting_for_input()
+    await h.press("123456#")
+    await h.finished()
+    assert h.runner.path[-2:] == ["lookup", "sorry"]
+    assert h.transport.outcome == TransferTo("+15555550100")
+
+
+async def test_webhook_values_are_read_as_text_never_as_templates(
+    demo: Script, speech: SpeechService, engine: Engine, demo_cache: PromptCache
+) -> None:
+    def backend(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200,
+            json={
+                "first_name": "{caller}",
+                "balance": "{0.__class__}",
+                "due_date": "tomorrow",
+                "nested": {"x": 1},
+            },
+        )
+
+    h = Harness(demo, speech, engine, backend=backend, cache=demo_cache)
+    await h.start()
+    await h.waiting_for_input()
+    await h.press("1")
+    await h.waiting_for_input()
+    await h.press("123456#")
+    await h.waiting_for_input()
+    live = [u.text for u in h.call.utterances if not u.cached]
+    assert live == ["Thanks, {caller}. Your balance is {0.__class__} dollars, due on tomorrow."]
+    assert "nested" not in h.runner.variables
+    h.call.deliver(Hangup())
+    await h.finished()
+
+
+async def test_hang_up_during_a_gather_stops_the_script(
+    demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine
+) -> None:
+    h = Harness(demo, speech, engine, cache=demo_cache)
+    await h.start()
+    await h.waiting_for_input()
+    h.call.deliver(Hangup())
+    await h.finished()
+    assert h.transport.outcome is None and h.runner.path == ["welcome", "menu"]
+
+
+async def test_a_cache_miss_is_rendered_live_then_stored(
+    speech: SpeechService, engine: Engine
+) -> None:
+    script = parse_script(
+        "name: t\nvoice: {speaker: ryan}\nstart: a\nnodes:\n"
+        "  a: {say: 'Hello there.', next: b}\n"
+        "  b: {say: {text: 'Hi {caller}.', cache: true}, hangup: true}\n"
+    )
+    h = Harness(script, speech, engine)
+    await h.start(prerender=False)
+    await h.finished()
+    assert [u.cached for u in h.call.utterances] == [False, False]
+    first = h.cache.peek(h.context.key("Hello there."))
+    personal = h.cache.peek(h.context.key("Hi +15550001111."))
+    assert first is not None and personal is not None and len(first) > 1000
+    # The next call plays both from the cache.
+    h2 = Harness(script, speech, engine)
+    h2.cache = h.cache
+    h2.context.cache = h.cache
+    await h2.start(prerender=False)
+    await h2.finished()
+    assert [u.cached for u in h2.call.utterances] == [True, True]
+    assert np.array_equal(h2.cache.peek(h2.context.key("Hello there.")), first)  # type: ignore[arg-type]
