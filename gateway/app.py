@@ -171,6 +171,11 @@ async def _load(state: GatewayState, engine_factory: EngineFactory) -> None:
     t0 = time.monotonic()
     settings = state.settings
     try:
+        if settings.barge_in_on_speech:
+            # The VAD model (one ONNX session shared by every call) loads before the first call.
+            from gateway.audio.vad import load_session
+
+            await asyncio.to_thread(load_session)
         engines = list(await asyncio.to_thread(engine_factory, settings))
         # Every slot warms up (graph capture is per slot), each with every configured voice.
         for engine in engines:

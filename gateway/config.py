@@ -85,6 +85,14 @@ class Settings(BaseSettings):
         description="Start without rendering missing static prompts; each is rendered live the "
         "first time a caller needs it, then cached.",
     )
+    barge_in_on_speech: bool = Field(
+        True, description="Stop interruptible prompts when the caller starts speaking (VAD)."
+    )
+    vad_min_speech_ms: int = Field(
+        250, ge=32, le=5000,
+        description="Speech must last this long to barge in (line noise and 'mm-hm' do not).",
+    )
+    vad_threshold: float = Field(0.5, gt=0, lt=1, description="Speech probability threshold.")
     public_url: str | None = Field(
         None,
         description="Public https:// base URL Twilio reaches (behind the load balancer). "

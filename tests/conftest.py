@@ -91,8 +91,9 @@ def serve(settings_overrides: dict[str, object], engine_factory=None) -> Iterato
     values.update(settings_overrides)
     settings = Settings(**values)  # type: ignore[arg-type]
     app = create_app(settings, engine_factory) if engine_factory else create_app(settings)
-    config = uvicorn.Config(app, log_level="warning", ws_max_size=settings.ws_max_size,
-                            lifespan="on")
+    config = uvicorn.Config(
+        app, log_level="warning", ws_max_size=settings.ws_max_size, lifespan="on"
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -122,3 +123,30 @@ def live_gateway(tiny_model_dir: Path) -> Iterator[LiveServer]:
     """One real gateway (tiny model on CPU) shared by a test module."""
     with serve({"model": str(tiny_model_dir)}) as live:
         yield live
+
+
+DEMO_SCRIPT = Path(__file__).resolve().parent.parent / "prompts" / "demo.yaml"
+
+
+@pytest.fixture(scope="session")
+def demo_cache_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The demo script's static prompts rendered once per run into an on-disk cache, exactly as
+    ``gateway prompts render`` does; servers and runner tests in this run start from it."""
+    from gateway.cli import main
+
+    cache = tmp_path_factory.mktemp("prompt-cache")
+    code = main(
+        [
+            "prompts",
+            "render",
+            str(DEMO_SCRIPT),
+            "--model",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--cache-dir",
+            str(cache),
+        ]
+    )
+    assert code == 0
+    return cache

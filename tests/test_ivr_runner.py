@@ -90,16 +90,9 @@ def demo(monkeypatch_module: pytest.MonkeyPatch) -> Script:
 
 
 @pytest.fixture(scope="module")
-async def demo_cache(demo: Script, engine: Engine) -> PromptCache:
-    """The demo's static prompts rendered once for the module (as the server does at start)."""
-    service = SpeechService([engine])
-    service.start()
-    try:
-        cache = PromptCache(None)
-        await render_missing(demo, cache, service, engine.fingerprint, voice_identity(demo))
-        return cache
-    finally:
-        service.stop()
+def demo_cache(demo_cache_dir: Path) -> PromptCache:
+    """The demo's static prompts, pre-rendered once per run by ``gateway prompts render``."""
+    return PromptCache(demo_cache_dir)
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,8 @@ class FakeTwilioCall:
     close_reason: str = ""
     marks_echoed: list[str] = field(default_factory=list)
     media_sent: int = 0
+    #: Simulated playback runs this many times faster than real time (marks come back sooner).
+    playback_speed: float = 1.0
 
     def __post_init__(self) -> None:
         self._ws: ClientConnection | None = None
@@ -52,6 +54,7 @@ class FakeTwilioCall:
         self._pending_marks: list[tuple[float, str]] = []
         self._seq = 0
         self._new_message = asyncio.Event()
+        self._speech: list[str] = []
 
     # --- connection ---------------------------------------------------------------------------
 
@@ -64,8 +67,9 @@ class FakeTwilioCall:
         return {"X-Twilio-Signature": signature}
 
     async def connect(self) -> None:
-        self._ws = await websockets.connect(self.ws_url, additional_headers=self.headers(),
-                                            max_size=2**20)
+        self._ws = await websockets.connect(
+            self.ws_url, additional_headers=self.headers(), max_size=2**20
+        )
         self._tasks.append(asyncio.create_task(self._reader()))
 
     async def start(
@@ -73,19 +77,21 @@ class FakeTwilioCall:
     ) -> None:
         await self.send_json({"event": "connected", "protocol": "Call", "version": "1.0.0"})
         self.started_at = time.monotonic()
-        await self.send_json({
-            "event": "start",
-            "sequenceNumber": self._next_seq(),
-            "start": {
-                "accountSid": "AC" + "0" * 32,
+        await self.send_json(
+            {
+                "event": "start",
+                "sequenceNumber": self._next_seq(),
+                "start": {
+                    "accountSid": "AC" + "0" * 32,
+                    "streamSid": self.stream_sid,
+                    "callSid": self.call_sid,
+                    "tracks": ["inbound"],
+                    "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1},
+                    "customParameters": custom or {},
+                },
                 "streamSid": self.stream_sid,
-                "callSid": self.call_sid,
-                "tracks": ["inbound"],
-                "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1},
-                "customParameters": custom or {},
-            },
-            "streamSid": self.stream_sid,
-        })
+            }
+        )
         if stream_media:
             self._tasks.append(asyncio.create_task(self._inbound_media()))
         self._tasks.append(asyncio.create_task(self._mark_echoer()))
@@ -122,15 +128,30 @@ class FakeTwilioCall:
         await self._ws.send(data)
 
     async def send_dtmf(self, digit: str) -> float:
-        await self.send_json({"event": "dtmf", "streamSid": self.stream_sid,
-                              "sequenceNumber": self._next_seq(),
-                              "dtmf": {"track": "inbound_track", "digit": digit}})
+        await self.send_json(
+            {
+                "event": "dtmf",
+                "streamSid": self.stream_sid,
+                "sequenceNumber": self._next_seq(),
+                "dtmf": {"track": "inbound_track", "digit": digit},
+            }
+        )
         return time.monotonic()
 
     async def send_stop(self) -> None:
-        await self.send_json({"event": "stop", "sequenceNumber": self._next_seq(),
-                              "streamSid": self.stream_sid,
-                              "stop": {"accountSid": "AC" + "0" * 32, "callSid": self.call_sid}})
+        await self.send_json(
+            {
+                "event": "stop",
+                "sequenceNumber": self._next_seq(),
+                "streamSid": self.stream_sid,
+                "stop": {"accountSid": "AC" + "0" * 32, "callSid": self.call_sid},
+            }
+        )
+
+    def speak(self, ulaw: bytes) -> None:
+        """Queue caller audio (mu-law, 8 kHz); it replaces silence in the 20 ms media stream."""
+        for i in range(0, len(ulaw) - len(ulaw) % 160, 160):
+            self._speech.append(base64.b64encode(ulaw[i : i + 160]).decode())
 
     async def _inbound_media(self) -> None:
         """Caller audio every 20 ms against a monotonic deadline (never drifting sleeps)."""
@@ -138,11 +159,20 @@ class FakeTwilioCall:
         chunk = 0
         while not self.closed.is_set():
             chunk += 1
-            await self.send_json({
-                "event": "media", "sequenceNumber": self._next_seq(), "streamSid": self.stream_sid,
-                "media": {"track": "inbound", "chunk": str(chunk),
-                          "timestamp": str(chunk * 20), "payload": SILENCE_FRAME},
-            })
+            payload = self._speech.pop(0) if self._speech else SILENCE_FRAME
+            await self.send_json(
+                {
+                    "event": "media",
+                    "sequenceNumber": self._next_seq(),
+                    "streamSid": self.stream_sid,
+                    "media": {
+                        "track": "inbound",
+                        "chunk": str(chunk),
+                        "timestamp": str(chunk * 20),
+                        "payload": payload,
+                    },
+                }
+            )
             self.media_sent += 1
             deadline += FRAME_S
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
@@ -159,7 +189,9 @@ class FakeTwilioCall:
                 event = message.get("event")
                 if event == "media":
                     frames = len(base64.b64decode(message["media"]["payload"])) / 160
-                    self._playout_end = max(self._playout_end, now) + frames * FRAME_S
+                    self._playout_end = (
+                        max(self._playout_end, now) + frames * FRAME_S / self.playback_speed
+                    )
                 elif event == "mark":
                     self._pending_marks.append((self._playout_end, message["mark"]["name"]))
                 elif event == "clear":
@@ -182,8 +214,14 @@ class FakeTwilioCall:
             for item in due:
                 self._pending_marks.remove(item)
                 try:
-                    await self.send_json({"event": "mark", "sequenceNumber": self._next_seq(),
-                                          "streamSid": self.stream_sid, "mark": {"name": item[1]}})
+                    await self.send_json(
+                        {
+                            "event": "mark",
+                            "sequenceNumber": self._next_seq(),
+                            "streamSid": self.stream_sid,
+                            "mark": {"name": item[1]},
+                        }
+                    )
                 except websockets.ConnectionClosed:
                     return
                 self.marks_echoed.append(item[1])
@@ -203,8 +241,10 @@ class FakeTwilioCall:
                 return result
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"condition not met in {timeout} s; received "
-                                   f"{[r.message.get('event') for r in self.received][-20:]}")
+                raise TimeoutError(
+                    f"condition not met in {timeout} s; received "
+                    f"{[r.message.get('event') for r in self.received][-20:]}"
+                )
             self._new_message.clear()
             try:
                 await asyncio.wait_for(self._new_message.wait(), min(remaining, 0.05))

@@ -16,7 +16,17 @@ from typing import TYPE_CHECKING
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from gateway.call import Call, CallOutcome, Codec, Dtmf, HangUp, Hangup, PlaybackDone
+from gateway.audio.vad import SpeechStartDetector
+from gateway.call import (
+    Call,
+    CallOutcome,
+    Codec,
+    Dtmf,
+    HangUp,
+    Hangup,
+    PlaybackDone,
+    SpeechStarted,
+)
 from gateway.errors import CallProtocolError
 from gateway.twilio.protocol import (
     Connected,
@@ -102,6 +112,7 @@ class TwilioSession:
         self.call: Call | None = None
         self._dialog_task: asyncio.Task[None] | None = None
         self.inbound_frames = 0
+        self.vad: SpeechStartDetector | None = None
 
     @property
     def label(self) -> str:
@@ -136,9 +147,11 @@ class TwilioSession:
     async def _dispatch(self, event: object) -> bool:
         """Act on one inbound event; False when the stream is over."""
         if isinstance(event, Media):
-            # Inbound caller audio: 20 ms of mu-law. Nothing consumes it yet (speech barge-in
-            # comes with the IVR work); counting keeps the per-frame path to a few operations.
+            # Inbound caller audio, 20 ms of mu-law: only the speech detector reads it.
             self.inbound_frames += 1
+            detector = self.vad
+            if detector is not None and self.call is not None and detector.push(event.audio):
+                self.call.deliver(SpeechStarted())
             return True
         call = self.call
         if isinstance(event, DtmfMessage):
@@ -177,6 +190,10 @@ class TwilioSession:
             caller=params.get("From", ""), called=params.get("To", ""), call_id=meta.callSid
         )
         self.transport.call_sid = meta.callSid
+        if settings.barge_in_on_speech:
+            self.vad = SpeechStartDetector(
+                min_speech_ms=settings.vad_min_speech_ms, threshold=settings.vad_threshold
+            )
         self.state.calls[meta.callSid] = self.call
         metrics.calls_total.labels("twilio").inc()
         metrics.calls_active.labels("twilio").inc()

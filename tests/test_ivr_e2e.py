@@ -1,0 +1,253 @@
+"""The demo IVR end to end: a real Twilio WebSocket, a real HTTP backend, the tiny model.
+
+The company's backend is a small FastAPI app served by uvicorn on its own port (not a mock);
+the gateway runs prompts/demo.yaml from a prompt cache pre-rendered by ``gateway prompts
+render``. The test client plays audio back 20x faster than real time so marks return quickly;
+gather timeouts are real (the virtual-time versions are in test_ivr_runner.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import socket
+import statistics
+import threading
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from conftest import AUTH_TOKEN, DEMO_SCRIPT, LiveServer, serve
+from fastapi import FastAPI
+from twilio.request_validator import RequestValidator
+from twilio_client import FakeTwilioCall
+
+from gateway.call import Utterance
+
+
+@contextlib.contextmanager
+def backend() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """The company's account service: POST /accounts/lookup."""
+    app = FastAPI()
+    seen: list[dict[str, Any]] = []
+
+    @app.post("/accounts/lookup")
+    async def lookup(body: dict[str, Any]) -> dict[str, str]:
+        seen.append(body)
+        account = body["variables"]["account_number"]
+        return {"first_name": "Dana", "balance": f"{int(account) % 1000}.10", "due_date": "March 3"}
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield url, seen
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def ivr(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[tuple[LiveServer, list[Any]]]:
+    with backend() as (url, seen), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ACME_BACKEND_URL", url)
+        with serve(
+            {
+                "model": str(tiny_model_dir),
+                "script": str(DEMO_SCRIPT),
+                "cache_dir": str(demo_cache_dir),
+            }
+        ) as live:
+            yield live, seen
+
+
+def _call(live: LiveServer, n: int) -> FakeTwilioCall:
+    return FakeTwilioCall(
+        live.ws_url, AUTH_TOKEN, call_sid=f"CA{n:032d}", stream_sid=f"MZ{n:032d}", playback_speed=20
+    )
+
+
+_server_calls: dict[str, Any] = {}
+
+
+def _utterances(live: LiveServer, call: FakeTwilioCall) -> list[Utterance]:
+    # Remember the server's Call: it leaves live.state.calls when the call ends.
+    server_call = live.state.calls.get(call.call_sid) or _server_calls.get(call.call_sid)
+    if server_call is None:
+        return []
+    _server_calls[call.call_sid] = server_call
+    return list(server_call.utterances)
+
+
+async def _heard(
+    live: LiveServer, call: FakeTwilioCall, text: str, after: int = 0, timeout: float = 60
+) -> Utterance:
+    """Wait until the server has played ``text`` (its mark echoed back) to this caller."""
+
+    def find() -> Utterance | None:
+        for utterance in _utterances(live, call)[after:]:
+            if text in utterance.text and utterance.played.is_set():
+                return utterance
+        return None
+
+    try:
+        return await call.wait_for(find, timeout=timeout)
+    except TimeoutError:
+        said = [(u.text[:40], u.played.is_set(), u.interrupted) for u in _utterances(live, call)]
+        raise AssertionError(f"never heard {text!r}; the call said {said}") from None
+
+
+def _after_stream(live: LiveServer, call_sid: str) -> ET.Element:
+    url = f"{live.base_url}/twilio/after-stream"
+    form = {"CallSid": call_sid, "AccountSid": "AC" + "0" * 32}
+    signature = RequestValidator(AUTH_TOKEN).compute_signature(url, form)
+    response = httpx.post(url, data=form, headers={"X-Twilio-Signature": signature})
+    assert response.status_code == 200
+    return ET.fromstring(response.text)
+
+
+async def test_account_lookup_then_transfer_to_an_agent(ivr: tuple[LiveServer, list[Any]]) -> None:
+    live, seen = ivr
+    script = live.state.script
+    assert script is not None
+    async with _call(live, 1) as call:
+        await call.start({"From": "+15550001111", "To": "+15550002222"})
+        welcome = await _heard(live, call, "Thank you for calling Acme Energy.")
+        assert welcome.cached, "the greeting must come from the prompt cache"
+        await _heard(live, call, "For your account balance, press 1.")
+        n = len(_utterances(live, call))
+        await call.send_dtmf("1")
+        ask = await _heard(live, call, "six digit account number", after=n)
+        assert ask.cached
+        n = len(_utterances(live, call))
+        for digit in "123456#":
+            await call.send_dtmf(digit)
+        balance = await _heard(live, call, "Your balance is", after=n)
+        assert balance.text == "Thanks, Dana. Your balance is 456.10 dollars, due on March 3."
+        assert not balance.cached  # live, through the scheduler
+        assert seen[-1]["variables"] == {"account_number": "123456", "caller": "+15550001111"}
+        await _heard(live, call, "press 3", after=n)
+        await call.send_dtmf("2")
+        await _heard(live, call, "transfer you to an agent", after=n)
+        await call.wait_for(lambda: call.closed.is_set(), timeout=30)
+    root = _after_stream(live, call.call_sid)
+    dial = root.find("Dial")
+    assert dial is not None and dial.text == "+15555550100"
+    # Every payload the caller got was whole 20 ms frames.
+    payloads = [base64.b64decode(r.message["media"]["payload"]) for r in call.events("media")]
+    assert payloads and all(len(p) % 160 == 0 for p in payloads)
+
+
+async def test_no_input_retries_then_goodbye_hangs_up(ivr: tuple[LiveServer, list[Any]]) -> None:
+    live, _ = ivr
+    async with _call(live, 2) as call:
+        await call.start({"From": "+15550003333"})
+        menu = await _heard(live, call, "For your account balance, press 1.")
+        # Say nothing for the 5 s timeout: the retry prompt, then the menu again.
+        await _heard(live, call, "didn't catch that", timeout=30)
+        assert time.monotonic() - (menu.first_frame_at or 0) >= 5.0
+        n = len(_utterances(live, call))
+        await call.send_dtmf("1")
+        await _heard(live, call, "six digit account number", after=n)
+        await call.send_dtmf("9")  # a partial number, then silence: inter-digit timeout
+        await _heard(live, call, "Your balance is", timeout=30)
+        await _heard(live, call, "press 3")
+        await call.send_dtmf("3")
+        await _heard(live, call, "Goodbye.")
+        await call.wait_for(lambda: call.closed.is_set(), timeout=30)
+    assert _after_stream(live, call.call_sid).find("Hangup") is not None
+
+
+async def test_a_cached_prompt_starts_within_5_ms_of_the_callers_turn(
+    ivr: tuple[LiveServer, list[Any]],
+) -> None:
+    """'9' repeats the menu: each press barges in and the menu restarts from the cache."""
+    live, _ = ivr
+    turns = 220
+    async with _call(live, 3) as call:
+        await call.start()
+        await _heard(live, call, "For your account balance, press 1.")
+        server_latency = []
+        client_latency = []
+        for _ in range(turns):
+            n = len(_utterances(live, call))
+            clears_before = len(call.events("clear"))
+            pressed = await call.send_dtmf("9")
+            utterance = await call.wait_for(
+                lambda n=n: next(
+                    (u for u in _utterances(live, call)[n:] if u.first_frame_at is not None), None
+                ),
+                timeout=10,
+            )
+            assert utterance.cached
+            server_latency.append(1000 * (utterance.first_audio_s or 0))
+            # The new prompt's first frame: when the press interrupted the previous prompt, the
+            # first media after the clear (frames of the old prompt may still be in flight);
+            # otherwise the first media after the press.
+            previous = _utterances(live, call)[n - 1]
+            start = pressed
+            if previous.interrupted:
+                clear = await call.wait_for(
+                    lambda c=clears_before: call.events("clear")[c:], timeout=10
+                )
+                start = clear[0].at
+            arrived = await call.wait_for(
+                lambda t=start: [r for r in call.events("media") if r.at >= t], timeout=10
+            )
+            client_latency.append(1000 * (arrived[0].at - pressed))
+            await asyncio.sleep(0.005)
+    p50, p99 = np.percentile(server_latency, 50), np.percentile(server_latency, 99)
+    c50, c99 = np.percentile(client_latency, 50), np.percentile(client_latency, 99)
+    print(
+        f"\ncache hit, caller's turn -> first frame sent ({turns} turns): "
+        f"p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {max(server_latency):.2f} ms; "
+        f"client DTMF sent -> first media received: p50 {c50:.2f} ms, p99 {c99:.2f} ms"
+    )
+    assert len(server_latency) >= 200
+    assert p99 < 5.0, statistics.quantiles(server_latency, n=100)
+
+
+async def test_caller_speech_barges_in_on_a_prompt(ivr: tuple[LiveServer, list[Any]]) -> None:
+    import shutil
+    import subprocess
+    import tempfile
+
+    import soundfile as sf
+    from scipy.signal import resample_poly
+
+    from gateway.audio.g711 import float_to_int16, ulaw_encode
+
+    espeak = shutil.which("espeak-ng")
+    assert espeak, "espeak-ng is not installed: apt-get install -y espeak-ng (.ci/run does)"
+    with tempfile.NamedTemporaryFile(suffix=".wav") as wav:
+        subprocess.run([espeak, "-w", wav.name, "I want to talk to a person please"], check=True)
+        audio, rate = sf.read(wav.name, dtype="float32")
+    speech = resample_poly(audio, 8000, rate).astype(np.float32)
+    live, _ = ivr
+    async with _call(live, 4) as call:
+        call.playback_speed = 1.0  # real-time playback: the prompt is still playing
+        await call.start()
+        welcome = await call.wait_for(
+            lambda: next((u for u in _utterances(live, call) if u.first_frame_at), None)
+        )
+        spoke_at = time.monotonic()
+        call.speak(ulaw_encode(float_to_int16(speech)))
+        clear = await call.wait_for(lambda: call.events("clear"), timeout=20)
+        assert welcome.interrupted or any(u.interrupted for u in _utterances(live, call))
+        print(
+            f"\nspeech barge-in: clear {1000 * (clear[0].at - spoke_at):.0f} ms after the "
+            "caller started speaking (min speech 250 ms)"
+        )
