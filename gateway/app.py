@@ -24,11 +24,12 @@ from gateway.config import Settings
 from gateway.demo import greeter
 from gateway.errors import GatewayError
 from gateway.ivr.cache import PromptCache
-from gateway.ivr.prompts import render_missing, voice_identity
+from gateway.ivr.prompts import ResolvedVoice, render_missing, resolve_voice
 from gateway.ivr.runner import IvrRunner, RunnerContext, load_sound
 from gateway.ivr.script import Script, load_script
+from gateway.ivr.voices import VoiceRegistry
 from gateway.metrics import Metrics
-from gateway.tts.engine import Engine
+from gateway.tts.engine import Engine, VoicePrompt
 from gateway.tts.service import SpeechService
 from gateway.twilio.routes import build_router
 from gateway.twilio.session import Dialog
@@ -72,6 +73,7 @@ class GatewayState:
     started_at: float = field(default_factory=time.monotonic)
     #: The IVR script every call runs (None: the first-call greeter).
     script: Script | None = None
+    voice: ResolvedVoice | None = None
     cache: PromptCache | None = None
     ivr: RunnerContext | None = None
     #: How each finished stream's call continues: read by the <Connect action> webhook.
@@ -84,7 +86,8 @@ class GatewayState:
         if self.script is not None:
             voice = self.script.voice
             return Voice(speaker=(voice.speaker or "ryan").lower(), language=voice.language,
-                         instruct=voice.style, seed=None)
+                         instruct=voice.style, seed=None,
+                         prompt=self.voice.prompt if self.voice is not None else None)
         settings = self.settings
         return Voice(speaker=settings.speaker, language=settings.language,
                      instruct=settings.instruct, seed=settings.seed)
@@ -110,8 +113,12 @@ def create_app(
         signatures=SignatureChecker(None if settings.insecure else token, settings.public_url),
     )
     if settings.script is not None:
-        # Refuse to start with an invalid script (ScriptError lists every problem).
-        state.script = load_script(settings.script)
+        # Refuse to start with an invalid script (ScriptError lists every problem), or with a
+        # cloned voice that is not registered.
+        registry = VoiceRegistry(settings.voices_dir)
+        state.script = load_script(settings.script,
+                                   voice_exists=lambda name: registry.exists(name))
+        state.voice = resolve_voice(state.script, settings.voices_dir)
         state.cache = PromptCache(
             settings.cache_dir, max_memory_bytes=settings.cache_memory_mb * 1024 * 1024,
             metrics=metrics,
@@ -179,7 +186,7 @@ async def _load(state: GatewayState, engine_factory: EngineFactory) -> None:
         engines = list(await asyncio.to_thread(engine_factory, settings))
         # Every slot warms up (graph capture is per slot), each with every configured voice.
         for engine in engines:
-            await asyncio.to_thread(engine.warmup, settings.voices())
+            await asyncio.to_thread(engine.warmup, _warmup_voices(state))
     except asyncio.CancelledError:
         raise
     except GatewayError as exc:
@@ -214,21 +221,29 @@ async def _prepare_ivr(state: GatewayState, engine: Engine) -> None:
     """Build the runner context; load (and unless lazy, render) the script's static prompts."""
     script, cache, settings = state.script, state.cache, state.settings
     assert script is not None and cache is not None and state.speech is not None
-    identity = voice_identity(script)
+    assert state.voice is not None
     state.ivr = RunnerContext(
         script=script,
         cache=cache,
         model_fingerprint=engine.fingerprint,
-        voice_identity=identity,
+        voice_identity=state.voice.identity,
         sounds={name: load_sound(script_dir(script) / name) for name in script_sounds(script)},
     )
     if settings.render_lazily:
         return
     t0 = time.monotonic()
     hits, rendered = await render_missing(script, cache, state.speech, engine.fingerprint,
-                                          identity)
+                                          state.voice)
     log.info("prompts ready: %d cached, %d rendered in %.1f s", hits, rendered,
              time.monotonic() - t0)
+
+
+def _warmup_voices(state: GatewayState) -> list[tuple[str, str] | VoicePrompt]:
+    """Every voice calls will speak with: the script's (speaker or clone), else the setting."""
+    voice = state.call_voice()
+    if voice.prompt is not None:
+        return [voice.prompt]
+    return [(voice.speaker, voice.language)]
 
 
 def script_dir(script: Script) -> Path:

@@ -27,7 +27,7 @@ from gateway.audio.framer import Framer, PhonePipeline
 from gateway.audio.g711 import alaw_encode, codec_silence, float_to_int16, ulaw_encode
 from gateway.errors import EngineError
 from gateway.metrics import Metrics
-from gateway.tts.engine import SpeechRequest
+from gateway.tts.engine import SpeechRequest, VoicePrompt
 from gateway.tts.service import SpeechService, SpeechStream
 
 log = logging.getLogger(__name__)
@@ -171,6 +171,8 @@ class Voice:
     language: str = "English"
     instruct: str | None = None
     seed: int | None = None
+    #: A registered cloned voice (with a Base model) instead of ``speaker``.
+    prompt: VoicePrompt | None = None
 
 
 class Call:
@@ -323,6 +325,7 @@ class Call:
             language=voice.language,
             instruct=voice.instruct,
             seed=voice.seed,
+            voice_prompt=voice.prompt,
             tags={"call": self.call_id, "utterance": utterance.id},
         )
         pipeline = self._pipeline

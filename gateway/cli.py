@@ -269,13 +269,13 @@ def prompts_validate(
 ) -> None:
     """Check scripts: schema and logic errors as file:line:column: message."""
     from gateway.ivr.script import ScriptError, load_script
-    from gateway.ivr.voices import VoiceRegistry, default_voices_dir
+    from gateway.ivr.voices import VoiceRegistry
 
-    registry = VoiceRegistry(default_voices_dir())
+    registry = VoiceRegistry(_settings().voices_dir)
     failed = 0
     for path in files:
         try:
-            script = load_script(path, voice_exists=lambda name: _voice_exists(registry, name))
+            script = load_script(path, voice_exists=registry.exists)
         except ScriptError as exc:
             failed += 1
             for diagnostic in exc.diagnostics:
@@ -301,7 +301,7 @@ def prompts_render(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gateway.ivr.cache import PromptCache
-    from gateway.ivr.prompts import prompt_key, render_blocking, request_for, voice_identity
+    from gateway.ivr.prompts import prompt_key, render_blocking, request_for, resolve_voice
     from gateway.ivr.script import ScriptError, load_script
     from gateway.tts.qwen import QwenEngine
 
@@ -320,35 +320,24 @@ def prompts_render(
     todo = []
     hits = 0
     for script in scripts:
-        identity = voice_identity(script)
+        voice = resolve_voice(script, settings.voices_dir)
         for text in script.static_sentences():
-            key = prompt_key(script, engine.fingerprint, identity, text)
+            key = prompt_key(script, engine.fingerprint, voice.identity, text)
             if cache.on_disk(key):
                 hits += 1
             else:
-                todo.append((script, key, text))
+                todo.append((script, voice, key, text))
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn())
     with Progress(*columns, transient=False) as progress:
         task = progress.add_task("rendering prompts", total=len(todo))
-        for script, key, text in todo:
+        for script, voice, key, text in todo:
             t0 = time.perf_counter()
-            cache.put(key, render_blocking(engine, request_for(script, text)),
+            cache.put(key, render_blocking(engine, request_for(script, text, voice)),
                       render_s=time.perf_counter() - t0)
             progress.advance(task)
     typer.echo(f"{hits} already cached, {len(todo)} rendered into {settings.cache_dir} "
                f"({cache.stats.render_s:.1f} s of rendering on {engine.device})")
-
-
-def _voice_exists(registry: object, name: str) -> bool:
-    from gateway.ivr.voices import VoiceError, VoiceRegistry
-
-    assert isinstance(registry, VoiceRegistry)
-    try:
-        registry.get(name)
-    except VoiceError:
-        return False
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,10 @@ class Settings(BaseSettings):
         Path.home() / ".cache" / "qwen3-tts-gateway" / "prompts",
         description="Prompt cache directory (WAV + JSON per prompt); empty: memory only.",
     )
+    voices_dir: Path = Field(
+        Path("voices"),
+        description="Registered cloned voices (`gateway voices add`); share it between replicas.",
+    )
     cache_memory_mb: int = Field(256, ge=1, description="In-memory prompt cache bound (LRU).")
     render_lazily: bool = Field(
         False,
@@ -149,6 +153,3 @@ class Settings(BaseSettings):
                 "without validation on a trusted network"
             )
 
-    def voices(self) -> list[tuple[str, str]]:
-        """The ``(speaker, language)`` voices this gateway speaks with (warmed up at start)."""
-        return [(self.speaker, self.language)]

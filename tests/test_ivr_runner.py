@@ -29,7 +29,7 @@ from gateway.call import (
     Voice,
 )
 from gateway.ivr.cache import PromptCache
-from gateway.ivr.prompts import render_missing, voice_identity
+from gateway.ivr.prompts import ResolvedVoice, render_missing, resolve_voice
 from gateway.ivr.runner import IvrRunner, RunnerContext, VirtualClock
 from gateway.ivr.script import Script, load_script, parse_script
 from gateway.tts.engine import Engine
@@ -111,15 +111,17 @@ class Harness:
         engine: Engine,
         backend: Callable[[httpx.Request], httpx.Response] | None = None,
         cache: PromptCache | None = None,
+        voice: ResolvedVoice | None = None,
     ) -> None:
         self.script = script
+        self.voice = voice if voice is not None else resolve_voice(script)
         self.clock = VirtualClock()
         self.transport = MemoryTransport()
         self.call = Call(
             "CA" + "7" * 32,
             self.transport,
             speech,
-            Voice(),  # type: ignore[arg-type]
+            Voice(prompt=self.voice.prompt),  # type: ignore[arg-type]
             metrics=None,
         )
         self.transport.call = self.call
@@ -135,7 +137,7 @@ class Harness:
             script=script,
             cache=self.cache,
             model_fingerprint=engine.fingerprint,
-            voice_identity=voice_identity(script),
+            voice_identity=self.voice.identity,
             clock=self.clock,
             http=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
         )
@@ -155,7 +157,7 @@ class Harness:
                 self.cache,
                 self.speech,
                 self.context.model_fingerprint,
-                self.context.voice_identity,
+                self.voice,
             )
         self.task = asyncio.create_task(self.runner.run())
 
@@ -372,3 +374,116 @@ async def test_a_cache_miss_is_rendered_live_then_stored(
     await h2.finished()
     assert [u.cached for u in h2.call.utterances] == [True, True]
     assert np.array_equal(h2.cache.peek(h2.context.key("Hello there.")), first)  # type: ignore[arg-type]
+
+
+# --- a registered cloned voice (Base model) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def clone_setup(tiny_base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    import soundfile as sf
+
+    from gateway.ivr.voices import VoiceRegistry
+
+    folder = tmp_path_factory.mktemp("voices")
+    t = np.arange(3 * 16000) / 16000
+    clip = (0.3 * np.sin(2 * np.pi * 140 * t) * (1 + np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    sf.write(str(folder / "ref.wav"), clip, 16000)
+    registry = VoiceRegistry(folder / "registry")
+    registry.add(
+        "anna", folder / "ref.wav", "Hello, this is Anna.", base_model=str(tiny_base_model_dir)
+    )
+    engine = QwenEngine(str(tiny_base_model_dir), device="cpu")
+    return registry, engine, folder
+
+
+async def test_a_script_speaks_with_a_registered_cloned_voice(clone_setup: Any) -> None:
+    registry, engine, folder = clone_setup
+    script = parse_script(
+        "name: t\nvoice: {clone: anna}\nstart: a\nnodes:\n"
+        "  a: {say: 'Welcome back.', next: b}\n"
+        "  b: {say: 'Your code is {call_id}.', hangup: true}\n",
+        voice_exists=registry.exists,
+    )
+    voice = resolve_voice(script, registry.directory)
+    assert voice.prompt is not None and voice.identity.startswith("clone:anna:")
+    service = SpeechService([engine])
+    service.start()
+    try:
+        h = Harness(script, service, engine, voice=voice)
+        await h.start()  # renders 'Welcome back.' with the cloned voice into the cache
+        await h.finished()
+        assert [u.cached for u in h.call.utterances] == [True, False]
+        assert all(u.frames_sent > 0 and u.error is None for u in h.call.utterances)
+        key = h.context.key("Welcome back.")
+        assert h.cache.peek(key) is not None
+        # Re-registering the voice (another clip text) changes its identity: its prompts miss.
+        registry.add("anna", folder / "ref.wav", "Hi, Anna here.", base_model=engine.model_id)
+        again = resolve_voice(script, registry.directory)
+        assert again.identity != voice.identity
+        h2 = Harness(script, service, engine, voice=again, cache=h.cache)
+        assert h.cache.peek(h2.context.key("Welcome back.")) is None
+    finally:
+        service.stop()
+
+
+def test_a_cloned_voice_needs_a_base_model(engine: QwenEngine, clone_setup: Any) -> None:
+    from gateway.errors import EngineError
+    from gateway.tts.engine import SpeechRequest
+
+    registry, base_engine, _ = clone_setup
+    script = parse_script(
+        "name: t\nvoice: {clone: anna}\nstart: a\nnodes:\n  a: {say: 'Hi.', hangup: true}\n",
+        voice_exists=registry.exists,
+    )
+    prompt = resolve_voice(script, registry.directory).prompt
+    with pytest.raises(EngineError, match="needs a Base model"):
+        engine.stream(SpeechRequest(text="Hi.", voice_prompt=prompt))
+    with pytest.raises(EngineError, match="speaks only with a registered cloned voice"):
+        base_engine.stream(SpeechRequest(text="Hi."))
+
+
+async def test_play_node_converts_a_wav_on_load(
+    tmp_path: Path, speech: SpeechService, engine: Engine
+) -> None:
+    import soundfile as sf
+
+    from gateway.ivr.runner import load_sound
+
+    t = np.arange(44100) / 44100  # 1 s, 44.1 kHz stereo
+    stereo = np.stack([np.sin(2 * np.pi * 440 * t), np.sin(2 * np.pi * 660 * t)], axis=1)
+    sf.write(str(tmp_path / "chime.wav"), (0.3 * stereo).astype(np.float32), 44100)
+    (tmp_path / "t.yaml").write_text(
+        "name: t\nvoice: {speaker: ryan}\nstart: a\nnodes:\n  a: {play: chime.wav, hangup: true}\n"
+    )
+    script = load_script(tmp_path / "t.yaml")
+    pcm = load_sound(tmp_path / "chime.wav")
+    assert pcm.dtype == np.int16 and len(pcm) == 8000
+    h = Harness(script, speech, engine)
+    h.context.sounds["chime.wav"] = pcm
+    await h.start(prerender=False)
+    await h.finished()
+    played = h.call.utterances[0]
+    assert played.cached and played.frames_sent == 50  # 1 s = 50 frames of 20 ms
+
+
+async def test_keys_during_a_non_interruptible_prompt_are_ignored(
+    speech: SpeechService, engine: Engine
+) -> None:
+    script = parse_script(
+        "name: t\nvoice: {speaker: ryan}\nstart: a\nnodes:\n"
+        "  a: {say: 'Please listen to this notice.', barge_in: false, next: b}\n"
+        "  b:\n    gather: {prompt: 'Press 1.', digits: 1, branch: {'1': c}, fallback: c}\n"
+        "  c: {hangup: true}\n"
+    )
+    h = Harness(script, speech, engine)
+    await h.start(prerender=False)
+    while not h.call.utterances or h.call.utterances[0].frames_sent == 0:
+        await asyncio.sleep(0.005)
+    await h.press("1")
+    await h.waiting_for_input()
+    assert not h.call.utterances[0].interrupted and ("clear", None) not in h.transport.log
+    assert h.runner.path == ["a", "b"]  # the key was not taken as the gather's answer
+    await h.press("1")
+    await h.finished()
+    assert h.runner.path == ["a", "b", "c"]

@@ -105,3 +105,25 @@ def test_server_refuses_to_start_with_an_invalid_script(capsys: pytest.CaptureFi
     err = capsys.readouterr().err
     assert "logic_errors.yaml:3:12: error: speaker 'robot' is not a built-in voice" in err
     assert "refusing to start" in err
+
+
+def test_prompts_render_is_resumable(
+    demo_cache_dir: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The session fixture rendered every static prompt once; a second run renders none."""
+    code = main(
+        [
+            "prompts",
+            "render",
+            str(ROOT / "prompts" / "demo.yaml"),
+            "--model",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--cache-dir",
+            str(demo_cache_dir),
+        ]
+    )
+    assert code == 0
+    assert "9 already cached, 0 rendered" in capsys.readouterr().out
+    assert len(list(demo_cache_dir.rglob("*.wav"))) == 9

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -13,22 +15,36 @@ from gateway.audio.g711 import float_to_int16
 from gateway.audio.resample import Decimator24kTo8k
 from gateway.ivr.cache import PromptCache, PromptKey
 from gateway.ivr.script import Script
-from gateway.tts.engine import Engine, SpeechRequest
+from gateway.tts.engine import Engine, SpeechRequest, VoicePrompt
 from gateway.tts.service import SpeechService
 
 log = logging.getLogger(__name__)
 
 
-def voice_identity(script: Script, clone_identity: Callable[[str], str] | None = None) -> str:
-    """The voice part of a prompt key: a speaker name, or the hash of a stored clone prompt
-    (re-registering a cloned voice changes it, which invalidates its prompts)."""
+@dataclass(frozen=True)
+class ResolvedVoice:
+    """A script's voice made concrete: its cache identity and, for a clone, its prompt."""
+
+    identity: str
+    prompt: VoicePrompt | None = None
+
+
+def resolve_voice(script: Script, voices_dir: Path | None = None) -> ResolvedVoice:
+    """The voice part of prompt keys: a speaker name, or a cloned voice's name and the hash of
+    its stored prompt (re-registering the voice changes it, which invalidates its prompts)."""
     voice = script.voice
     if voice.speaker is not None:
-        return f"speaker:{voice.speaker.lower()}"
+        return ResolvedVoice(f"speaker:{voice.speaker.lower()}")
     assert voice.clone is not None
-    if clone_identity is None:
-        raise ValueError("a cloned voice needs the voice registry to identify it")
-    return f"clone:{voice.clone}:{clone_identity(voice.clone)}"
+    from gateway.ivr.voices import VoiceRegistry, default_voices_dir
+
+    registry = VoiceRegistry(voices_dir if voices_dir is not None else default_voices_dir())
+    record, prompt = registry.load(voice.clone)
+    return ResolvedVoice(
+        f"clone:{voice.clone}:{record.identity}",
+        VoicePrompt(name=voice.clone, identity=record.identity, prompt=prompt,
+                    ref_text=record.ref_text),
+    )
 
 
 def prompt_key(script: Script, fingerprint: str, identity: str, text: str) -> PromptKey:
@@ -37,10 +53,11 @@ def prompt_key(script: Script, fingerprint: str, identity: str, text: str) -> Pr
                      style=voice.style, text=text, seed=voice.seed)
 
 
-def request_for(script: Script, text: str) -> SpeechRequest:
-    voice = script.voice
-    return SpeechRequest(text=text, speaker=(voice.speaker or "ryan").lower(),
-                         language=voice.language, instruct=voice.style, seed=voice.seed)
+def request_for(script: Script, text: str, voice: ResolvedVoice | None = None) -> SpeechRequest:
+    spec = script.voice
+    return SpeechRequest(text=text, speaker=(spec.speaker or "ryan").lower(),
+                         language=spec.language, instruct=spec.style, seed=spec.seed,
+                         voice_prompt=voice.prompt if voice is not None else None)
 
 
 def pcm_from_chunks(chunks: Iterable[np.ndarray]) -> np.ndarray:
@@ -61,7 +78,7 @@ async def render_missing(
     cache: PromptCache,
     speech: SpeechService,
     fingerprint: str,
-    identity: str,
+    voice: ResolvedVoice,
 ) -> tuple[int, int]:
     """Load every static prompt into memory, rendering the missing ones through the scheduler.
 
@@ -70,7 +87,7 @@ async def render_missing(
     hits = rendered = 0
     todo: list[tuple[PromptKey, str]] = []
     for text in script.static_sentences():
-        key = prompt_key(script, fingerprint, identity, text)
+        key = prompt_key(script, fingerprint, voice.identity, text)
         if cache.get(key) is not None:
             hits += 1
         else:
@@ -79,7 +96,7 @@ async def render_missing(
     async def render_one(key: PromptKey, text: str) -> None:
         nonlocal rendered
         t0 = time.monotonic()
-        stream = speech.stream(request_for(script, text))
+        stream = speech.stream(request_for(script, text, voice))
         chunks = [chunk async for chunk in stream]
         cache.put(key, pcm_from_chunks(chunks), render_s=time.monotonic() - t0)
         rendered += 1

@@ -180,6 +180,14 @@ class VoiceRegistry:
 
     # -- reading ---------------------------------------------------------------------------
 
+    def exists(self, name: str) -> bool:
+        """True if ``name`` is registered and readable (a corrupt voice counts as missing)."""
+        try:
+            self.get(name)
+        except VoiceError:
+            return False
+        return True
+
     def get(self, name: str) -> VoiceRecord:
         """The record of voice ``name`` (its prompt file's checksum verified)."""
         return self.load(name)[0]

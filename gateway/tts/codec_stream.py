@@ -62,7 +62,8 @@ class StreamingCodecDecoder:
         n = int(codes.shape[0])
         if n == 0:
             return np.zeros(0, dtype=np.float32)
-        codes = torch.clamp(codes, min=0).transpose(0, 1).unsqueeze(0)  # [1, K, n]
+        device = next(dec.parameters()).device
+        codes = torch.clamp(codes.to(device), min=0).transpose(0, 1).unsqueeze(0)  # [1, K, n]
         hidden = dec.quantizer.decode(codes)
         hidden = self._conv(dec.pre_conv, hidden).transpose(1, 2)
         if self._kv is None:

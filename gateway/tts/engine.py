@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +21,17 @@ import numpy as np
 SAMPLE_RATE = 24_000
 #: Samples per codec frame at 24 kHz.
 SAMPLES_PER_FRAME = 1920
+
+
+@dataclass(frozen=True, slots=True)
+class VoicePrompt:
+    """A registered cloned voice, ready for a Base model: the stored clone prompt and the
+    transcript of its reference clip (see :mod:`gateway.ivr.voices`)."""
+
+    name: str
+    identity: str
+    prompt: dict[str, Any] = field(compare=False, hash=False, repr=False)
+    ref_text: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +53,8 @@ class SpeechRequest:
     seed: int | None = None
     max_frames: int | None = None
     min_frames: int | None = None
+    #: A cloned voice (Base models) instead of a CustomVoice ``speaker``.
+    voice_prompt: VoicePrompt | None = None
     #: Free-form labels carried to logs and metrics (call id, turn id); not used by engines.
     tags: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -76,12 +90,15 @@ class Engine(abc.ABC):
         codec frames by engines that can) stops it sooner, inside a chunk.
         """
 
-    def warmup(self, voices: Sequence[tuple[str, str]] = ()) -> None:
+    def warmup(self, voices: Sequence[tuple[str, str] | VoicePrompt] = ()) -> None:
         """Run whatever must run before the first caller: graph capture, then one generation
-        per configured ``(speaker, language)`` voice."""
-        for speaker, language in voices or [("ryan", "English")]:
-            request = SpeechRequest(text="Warm up.", speaker=speaker, language=language,
-                                    max_frames=4)
+        per configured voice (a ``(speaker, language)`` pair or a cloned voice)."""
+        for voice in voices or [("ryan", "English")]:
+            if isinstance(voice, VoicePrompt):
+                request = SpeechRequest(text="Warm up.", voice_prompt=voice, max_frames=4)
+            else:
+                request = SpeechRequest(text="Warm up.", speaker=voice[0], language=voice[1],
+                                        max_frames=4)
             for _ in self.stream(request):
                 pass
 
@@ -97,7 +114,7 @@ class Engine(abc.ABC):
         """Raise ``ValueError`` with a clear message if the request cannot be served."""
         if not request.text.strip():
             raise ValueError("empty text")
-        if request.speaker.lower() not in self.speakers:
+        if request.voice_prompt is None and request.speaker.lower() not in self.speakers:
             raise ValueError(
                 f"unknown speaker {request.speaker!r}; this model has {', '.join(self.speakers)}"
             )

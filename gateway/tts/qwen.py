@@ -34,7 +34,7 @@ from gateway.audio.condition import LeadingSilenceTrimmer
 from gateway.errors import EngineError, ModelLoadError
 from gateway.tts.chunking import ChunkPlanner
 from gateway.tts.codec_stream import StreamingCodecDecoder
-from gateway.tts.engine import SAMPLES_PER_FRAME, Engine, SpeechRequest
+from gateway.tts.engine import SAMPLES_PER_FRAME, Engine, SpeechRequest, VoicePrompt
 
 log = logging.getLogger(__name__)
 # faster-qwen3-tts warns at construction that it "could not infer sample rate ... defaulting to
@@ -255,17 +255,23 @@ class QwenEngine(Engine):
     def languages(self) -> Sequence[str]:
         return self.shared.languages
 
-    def warmup(self, voices: Sequence[tuple[str, str]] = ()) -> None:
+    def warmup(self, voices: Sequence[tuple[str, str] | VoicePrompt] = ()) -> None:
         """Capture CUDA graphs (GPU) / build static caches (CPU), then one generation per voice.
 
-        ``voices`` are ``(speaker, language)`` pairs the gateway is configured to speak with;
-        the first real caller then never pays for a first-use path.
+        ``voices`` are the ``(speaker, language)`` pairs or cloned voices the gateway speaks
+        with; the first real caller then never pays for a first-use path. A Base model given no
+        cloned voice has nothing to say and only loads.
         """
         t0 = time.perf_counter()
-        default = (self.speakers[0] if self.speakers else "ryan", "English")
-        for speaker, language in voices or [default]:
-            request = SpeechRequest(text="Hello.", speaker=speaker, language=language,
-                                    max_frames=8, min_frames=8)
+        if not voices and self.shared.model_type == "custom_voice":
+            voices = [(self.speakers[0] if self.speakers else "ryan", "English")]
+        for voice in voices:
+            if isinstance(voice, VoicePrompt):
+                request = SpeechRequest(text="Hello.", voice_prompt=voice, max_frames=8,
+                                        min_frames=8)
+            else:
+                request = SpeechRequest(text="Hello.", speaker=voice[0], language=voice[1],
+                                        max_frames=8, min_frames=8)
             for _ in self.stream(request):
                 pass
         log.info("engine warm: %s (%d voice(s)) in %.2f s", self.name, max(1, len(voices)),
@@ -274,10 +280,17 @@ class QwenEngine(Engine):
     def stream(
         self, request: SpeechRequest, should_stop: Callable[[], bool] | None = None
     ) -> Generator[np.ndarray, None, None]:
-        if self.shared.model_type != "custom_voice":
+        kind = self.shared.model_type
+        if request.voice_prompt is None and kind != "custom_voice":
             raise EngineError(
-                f"{self.model_id} is a {self.shared.model_type!r} model; the gateway speaks with "
-                "a CustomVoice model (e.g. Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)"
+                f"{self.model_id} is a {kind!r} model: it speaks only with a registered cloned "
+                "voice; for built-in speakers use a CustomVoice model "
+                "(e.g. Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)"
+            )
+        if request.voice_prompt is not None and kind != "base":
+            raise EngineError(
+                f"cloned voice {request.voice_prompt.name!r} needs a Base model "
+                f"(e.g. Qwen/Qwen3-TTS-12Hz-0.6B-Base); {self.model_id} is {kind!r}"
             )
         try:
             self.validate(request)
@@ -316,11 +329,13 @@ class QwenEngine(Engine):
             # 0.6B models ignore instruct (faster-qwen3-tts drops it for "0b6" too).
             instruct = request.instruct if self.shared.model_size != "0b6" else None
             max_frames = request.max_frames or default_max_frames(request.text)
-            codes = self._generate_codes(request, instruct, max_frames, should_stop)
+            prefill = self._prefill(request, instruct)
+            ref_codes = prefill[-1]
+            codes = self._generate_codes(request, prefill, max_frames, should_stop)
             decoded = (
-                self._decode_incremental(codes)
+                self._decode_incremental(codes, ref_codes)
                 if self.codec_decode == "incremental"
-                else self._decode_windowed(codes)
+                else self._decode_windowed(codes, ref_codes)
             )
             trimmer = LeadingSilenceTrimmer() if self.trim_leading_silence else None
             try:
@@ -337,15 +352,30 @@ class QwenEngine(Engine):
     def _prefill(self, request: SpeechRequest, instruct: str | None) -> tuple[Any, ...]:
         """Build the talker inputs and run the prefill; returns what the decode loop needs."""
         w = self._wrapper
+        voice = request.voice_prompt
+        ref_codes = None
         # The talker module is shared between slots and prefill writes talker.rope_deltas.
         with self.shared.prefill_lock:
-            _m, talker, config, tie, tam, tth, tpe = w._prepare_generation_custom(
-                text=request.text,
-                language=request.language,
-                speaker=request.speaker.lower(),
-                instruct=instruct,
-                non_streaming_mode=True,
-            )
+            if voice is None:
+                _m, talker, config, tie, tam, tth, tpe = w._prepare_generation_custom(
+                    text=request.text,
+                    language=request.language,
+                    speaker=request.speaker.lower(),
+                    instruct=instruct,
+                    non_streaming_mode=True,
+                )
+            else:
+                # A cloned voice (ICL): the reference clip's codes and transcript lead the
+                # prompt; upstream's voice-clone default streams the text in (non_streaming
+                # False).
+                _m, talker, config, tie, tam, tth, tpe, ref_codes = w._prepare_generation(
+                    text=request.text,
+                    language=request.language,
+                    ref_text=voice.ref_text,
+                    non_streaming_mode=False,
+                    voice_clone_prompt=voice.prompt,
+                    instruct=instruct,
+                )
             out = talker.forward(
                 inputs_embeds=tie,
                 attention_mask=tam,
@@ -360,12 +390,12 @@ class QwenEngine(Engine):
             )
             prefill_len = w.talker_graph.prefill_kv(out.past_key_values)
             w.talker_graph.set_generation_state(tam, getattr(talker, "rope_deltas", None))
-        return talker, config, tie, tth, tpe, out, prefill_len
+        return talker, config, tie, tth, tpe, out, prefill_len, ref_codes
 
     def _generate_codes(
         self,
         request: SpeechRequest,
-        instruct: str | None,
+        prefill: tuple[Any, ...],
         max_frames: int,
         should_stop: Callable[[], bool],
     ) -> Generator[Any, None, None]:
@@ -387,7 +417,7 @@ class QwenEngine(Engine):
         # EOS is suppressed for the first frames (2 upstream; ``min_frames`` forces a length).
         min_frames = max(2, request.min_frames or 0)
 
-        talker, config, tie, tth, tpe, out, prefill_len = self._prefill(request, instruct)
+        talker, config, tie, tth, tpe, out, prefill_len, _ref = prefill
         eos_id = int(config.codec_eos_token_id)
         vocab_size = int(config.vocab_size)
         # The top 1024 ids of the codec vocabulary are control tokens; only EOS may be sampled.
@@ -470,15 +500,21 @@ class QwenEngine(Engine):
             yield self.last_codes[-1]
 
     def _decode_incremental(
-        self, codes: Generator[Any, None, None]
+        self, codes: Generator[Any, None, None], ref_codes: Any = None
     ) -> Generator[np.ndarray, None, None]:
-        """Decode each chunk's new frames only, carrying the codec's state (see codec_stream)."""
+        """Decode each chunk's new frames only, carrying the codec's state (see codec_stream).
+
+        With a cloned voice the generated codes continue the reference clip's codec stream:
+        the decoder is primed with the reference frames and their audio is discarded.
+        """
         decoder = StreamingCodecDecoder(self._base.model.speech_tokenizer.model.decoder)
+        if ref_codes is not None:
+            decoder.decode(ref_codes)
         for chunk in codes:
             yield decoder.decode(chunk)
 
     def _decode_windowed(
-        self, codes: Generator[Any, None, None]
+        self, codes: Generator[Any, None, None], ref_codes: Any = None
     ) -> Generator[np.ndarray, None, None]:
         """Decode each chunk with up to 25 frames of left context (faster-qwen3-tts's way).
 
@@ -488,9 +524,12 @@ class QwenEngine(Engine):
         import torch
 
         tokenizer = self._base.model.speech_tokenizer
+        # A cloned voice's reference frames are left context for the first windows.
         frames: list[Any] = []
+        if ref_codes is not None:
+            frames.append(ref_codes[-CODEC_LEFT_CONTEXT:].to(self.device))
         for chunk in codes:
-            frames.append(chunk)
+            frames.append(chunk.to(self.device))
             all_codes = torch.cat(frames, dim=0)
             n_new = int(chunk.shape[0])
             window = all_codes[-(n_new + CODEC_LEFT_CONTEXT) :]
