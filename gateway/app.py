@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from gateway.call import Call, CallOutcome, Voice
+from gateway.audio.vad import SpeechStartDetector
+from gateway.call import Call, CallOutcome, CallTransport, Dialog, HangUp, Voice
 from gateway.config import Settings
 from gateway.demo import greeter
 from gateway.errors import GatewayError
@@ -32,7 +35,6 @@ from gateway.metrics import Metrics
 from gateway.tts.engine import Engine, VoicePrompt
 from gateway.tts.service import SpeechService
 from gateway.twilio.routes import build_router
-from gateway.twilio.session import Dialog
 from gateway.twilio.signature import SignatureChecker
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,11 @@ class GatewayState:
     ivr: RunnerContext | None = None
     #: How each finished stream's call continues: read by the <Connect action> webhook.
     outcomes: dict[str, CallOutcome] = field(default_factory=dict)
+    #: The dialog every call runs (set by create_app).
+    dialog: Dialog | None = None
+    #: True while draining: new calls are refused (SIP 503), active calls finish.
+    draining: bool = False
+    sip: Any = None
     #: Called with a message when start-up fails (the CLI stops the server and exits 1).
     on_fatal: Callable[[str], None] | None = None
 
@@ -91,6 +98,42 @@ class GatewayState:
         settings = self.settings
         return Voice(speaker=settings.speaker, language=settings.language,
                      instruct=settings.instruct, seed=settings.seed)
+
+    def open_call(self, call_id: str, transport: CallTransport, transport_name: str,
+                  parameters: dict[str, str]) -> Call:
+        """A new call on any transport, registered and counted."""
+        call = Call(call_id, transport, self.speech_service, self.call_voice(),
+                    metrics=self.metrics, transport_name=transport_name,
+                    max_frames_per_send=self.settings.frames_per_message)
+        call.parameters.update(parameters)
+        self.calls[call_id] = call
+        self.metrics.calls_total.labels(transport_name).inc()
+        self.metrics.calls_active.labels(transport_name).inc()
+        return call
+
+    def close_call(self, call: Call, transport_name: str) -> None:
+        """Forget a finished call."""
+        if self.calls.pop(call.call_id, None) is not None:
+            self.metrics.calls_active.labels(transport_name).dec()
+
+    def new_speech_detector(self) -> SpeechStartDetector | None:
+        """A caller-speech detector for one call (None when speech barge-in is off)."""
+        settings = self.settings
+        if not settings.barge_in_on_speech:
+            return None
+        return SpeechStartDetector(min_speech_ms=settings.vad_min_speech_ms,
+                                   threshold=settings.vad_threshold)
+
+    async def run_dialog(self, call: Call, dialog: Dialog) -> None:
+        """Drive ``call`` with ``dialog``; a dialog bug ends this call, not the gateway."""
+        try:
+            await dialog(call)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("call %s: dialog failed; hanging up", call.call_id)
+            await call.close()
+            await call.transport.end(HangUp())
 
     @property
     def speech_service(self) -> SpeechService:
@@ -132,9 +175,15 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loader = asyncio.create_task(_load(state, engine_factory))
+        if settings.sip:
+            # Bound at once: until the engine is ready, INVITEs get 503 (a SIP proxy probing
+            # with OPTIONS still sees the endpoint alive).
+            state.sip = await _start_sip(state)
         try:
             yield
         finally:
+            if state.sip is not None:
+                await state.sip.stop()
             loader.cancel()
             for call in list(state.calls.values()):
                 await call.close()
@@ -160,6 +209,7 @@ def create_app(
     async def metrics_endpoint() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    state.dialog = dialog
     app.include_router(build_router(state, dialog))
     return app
 
@@ -215,6 +265,32 @@ async def _load(state: GatewayState, engine_factory: EngineFactory) -> None:
     state.ready = True
     log.info("ready: %s x%d slot(s) (load + warm-up %.1f s)", engines[0].name, len(engines),
              time.monotonic() - t0)
+
+
+async def _start_sip(state: GatewayState) -> Any:
+    from gateway.sip.digest import DigestAuthenticator
+    from gateway.sip.endpoint import SipEndpoint
+    from gateway.sip.uas import UasConfig
+
+    settings = state.settings
+    assert settings.sip is not None
+    host, _, port_text = settings.sip.rpartition(":")
+    host = host or "0.0.0.0"
+    public_ip = settings.sip_public_ip or ("127.0.0.1" if host == "0.0.0.0" else host)
+    authenticator = None
+    if settings.sip_users is not None:
+        users = dict(entry.split(":", 1) for entry in
+                     settings.sip_users.get_secret_value().split(",") if ":" in entry)
+        authenticator = DigestAuthenticator(settings.sip_realm, users, secret=os.urandom(32))
+    low, _, high = settings.rtp_ports.partition("-")
+    config = UasConfig(local_ip=public_ip, local_port=int(port_text),
+                       allow=[c.strip() for c in settings.sip_allow.split(",") if c.strip()],
+                       max_calls=settings.sip_max_calls, authenticator=authenticator,
+                       t1=settings.sip_t1_ms / 1000)
+    endpoint = SipEndpoint(state, config, rtp_ports=range(int(low), int(high or low) + 1),
+                           answer_delay_s=settings.sip_answer_delay_ms / 1000)
+    await endpoint.start(host, int(port_text))
+    return endpoint
 
 
 async def _prepare_ivr(state: GatewayState, engine: Engine) -> None:

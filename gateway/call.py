@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -98,6 +99,9 @@ class HangUp:
 
 CallOutcome = TransferTo | HangUp
 
+#: What drives a call once it is up: the IVR runner, or the first-call greeter.
+Dialog = Callable[["Call"], Awaitable[None]]
+
 
 class CallTransport(Protocol):
     """What a transport must do for a call. Implementations are thin I/O shells."""
@@ -141,6 +145,9 @@ class Utterance:
     task: asyncio.Task[None] | None = None
     #: True for audio played from the prompt cache or a file (no generation involved).
     cached: bool = False
+    #: True when this utterance answers a caller's turn (answer, key, speech, webhook reply):
+    #: only those count in the first-audio histogram.
+    caller_turn: bool = True
     #: With ``capture``, the 8 kHz float audio as it was sent (for caching a live render).
     capture: list[np.ndarray] | None = None
 
@@ -267,6 +274,7 @@ class Call:
             id=f"{self.call_id[-8:]}-u{next(self._seq)}",
             text=text,
             turn_started_at=turn_started_at if turn_started_at is not None else time.monotonic(),
+            caller_turn=turn_started_at is not None,
         )
         self._current = utterance
         self.utterances.append(utterance)
@@ -381,10 +389,12 @@ class Call:
             if utterance.first_frame_at is None:
                 # Measured once the transport has taken the frame: what the caller waits for.
                 utterance.first_frame_at = time.monotonic()
-                if self._metrics is not None:
-                    self._metrics.first_audio.labels(self._transport_name).observe(
-                        utterance.first_frame_at - utterance.turn_started_at
-                    )
-                log.info("call %s: %s first audio after %.0f ms", self.call_id, utterance.id,
-                         1000 * (utterance.first_frame_at - utterance.turn_started_at))
+                if utterance.caller_turn:
+                    if self._metrics is not None:
+                        self._metrics.first_audio.labels(self._transport_name).observe(
+                            utterance.first_frame_at - utterance.turn_started_at
+                        )
+                    log.info("call %s: %s first audio %.1f ms after the caller's turn",
+                             self.call_id, utterance.id,
+                             1000 * (utterance.first_frame_at - utterance.turn_started_at))
         utterance.frames_sent += len(frames)

@@ -71,6 +71,9 @@ def serve(
     script: Annotated[
         Path | None, typer.Option(help="IVR script to run [GATEWAY_SCRIPT].")
     ] = None,
+    sip: Annotated[
+        str | None, typer.Option(help="SIP endpoint host:port, e.g. 0.0.0.0:5060 [GATEWAY_SIP].")
+    ] = None,
 ) -> None:
     """Run the gateway (HTTP webhooks + Twilio Media Streams WebSocket)."""
     import uvicorn
@@ -79,7 +82,7 @@ def serve(
 
     settings = _settings(
         host=host, port=port, model=model, device=device, public_url=public_url,
-        insecure=True if insecure else None, script=script,
+        insecure=True if insecure else None, script=script, sip=sip,
     )
     _setup_logging(settings.log_level)
     settings.require_security()

@@ -97,6 +97,33 @@ class Settings(BaseSettings):
         description="Speech must last this long to barge in (line noise and 'mm-hm' do not).",
     )
     vad_threshold: float = Field(0.5, gt=0, lt=1, description="Speech probability threshold.")
+    sip: str | None = Field(
+        None, description="host:port of the SIP (UDP) endpoint, e.g. 0.0.0.0:5060; unset: none."
+    )
+    sip_public_ip: str | None = Field(
+        None,
+        description="Address put in SDP and Contact (default: the SIP bind address, or "
+        "127.0.0.1 when binding 0.0.0.0).",
+    )
+    sip_allow: str = Field(
+        "127.0.0.0/8",
+        description="Comma-separated CIDRs allowed to send SIP (the trunk's addresses); "
+        "anything else gets 403 and no call state.",
+    )
+    sip_users: SecretStr | None = Field(
+        None, description="Digest users 'name:password,...'; set: every INVITE must authenticate."
+    )
+    sip_realm: str = Field("ivr-gateway", description="Digest authentication realm.")
+    sip_max_calls: int = Field(
+        16, ge=1, description="Concurrent SIP calls; more get 486 Busy Here."
+    )
+    rtp_ports: str = Field("20000-20999", description="UDP port range for RTP (one per call).")
+    sip_t1_ms: int = Field(
+        500, ge=10, le=5000, description="SIP timer T1 (RFC 3261): retransmits start here."
+    )
+    sip_answer_delay_ms: int = Field(
+        0, ge=0, le=30000, description="Ring this long before answering (0: answer at once)."
+    )
     public_url: str | None = Field(
         None,
         description="Public https:// base URL Twilio reaches (behind the load balancer). "

@@ -92,6 +92,11 @@ class Metrics:
             "gateway_prompt_render_seconds", "Time to render one prompt into the cache.",
             buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=r,
         )
+        self.sip_dropped = Counter(
+            "gateway_sip_dropped_total",
+            "SIP datagrams dropped without a response (malformed, stray, disallowed ACKs).",
+            registry=r,
+        )
         self.speech_failures = Counter(
             "gateway_speech_failures_total", "Utterances a caller did not hear because TTS failed.",
             ["transport"], registry=r,

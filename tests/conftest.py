@@ -9,11 +9,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import torch
 import uvicorn
+from fastapi import FastAPI
 
 from gateway.app import GatewayState, create_app
 from gateway.config import Settings
@@ -150,3 +152,31 @@ def demo_cache_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
     )
     assert code == 0
     return cache
+
+
+@contextlib.contextmanager
+def backend() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """The company's account service: POST /accounts/lookup."""
+    app = FastAPI()
+    seen: list[dict[str, Any]] = []
+
+    @app.post("/accounts/lookup")
+    async def lookup(body: dict[str, Any]) -> dict[str, str]:
+        seen.append(body)
+        account = body["variables"]["account_number"]
+        return {"first_name": "Dana", "balance": f"{int(account) % 1000}.10", "due_date": "March 3"}
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield url, seen
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

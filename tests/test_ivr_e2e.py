@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
-import socket
 import statistics
-import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -23,41 +20,11 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import uvicorn
-from conftest import AUTH_TOKEN, DEMO_SCRIPT, LiveServer, serve
-from fastapi import FastAPI
+from conftest import AUTH_TOKEN, DEMO_SCRIPT, LiveServer, backend, serve
 from twilio.request_validator import RequestValidator
 from twilio_client import FakeTwilioCall
 
 from gateway.call import Utterance
-
-
-@contextlib.contextmanager
-def backend() -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """The company's account service: POST /accounts/lookup."""
-    app = FastAPI()
-    seen: list[dict[str, Any]] = []
-
-    @app.post("/accounts/lookup")
-    async def lookup(body: dict[str, Any]) -> dict[str, str]:
-        seen.append(body)
-        account = body["variables"]["account_number"]
-        return {"first_name": "Dana", "balance": f"{int(account) % 1000}.10", "due_date": "March 3"}
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield url, seen
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -487,3 +487,22 @@ async def test_keys_during_a_non_interruptible_prompt_are_ignored(
     await h.press("1")
     await h.finished()
     assert h.runner.path == ["a", "b", "c"]
+
+
+async def test_a_stale_mark_does_not_end_a_gather_early(
+    demo: Script, speech: SpeechService, engine: Engine, demo_cache: PromptCache
+) -> None:
+    """Twilio echoes the marks of cleared audio; they are not input and must not count as the
+    end of the caller's typing (found by the cross-transport scenario suite)."""
+    h = Harness(demo, speech, engine, backend=balance_backend, cache=demo_cache)
+    await h.start()
+    await h.waiting_for_input()
+    await h.press("1")
+    await h.waiting_for_input()
+    await h.press("12")
+    h.call.deliver(PlaybackDone("an-earlier-utterance"))
+    await h.press("3456#")
+    await h.waiting_for_input()
+    assert h.runner.variables["account_number"] == "123456"
+    h.call.deliver(Hangup())
+    await h.finished()

@@ -177,7 +177,8 @@ class IvrRunner:
         self.variables: dict[str, str] = {**self.script.variables, **variables}
         self.typeahead: list[str] = []
         self.path: list[str] = []
-        self._turn_at = call.answered_at
+        # When the caller's current turn ended (None once an utterance has answered it).
+        self._turn_at: float | None = call.answered_at
 
     async def run(self) -> None:
         """Drive the call from ``start`` until it is transferred, hung up, or the caller leaves."""
@@ -248,7 +249,7 @@ class IvrRunner:
     def _start_utterance(self, item: SayItem, text: str) -> Utterance:
         static = not template_variables(self.script.sentence(item))
         cacheable = static or (isinstance(item, Sentence) and item.cache)
-        turn = self._turn_at
+        turn, self._turn_at = self._turn_at, None
         if cacheable:
             pcm = self.ctx.cache.peek(self.ctx.key(text))
             if pcm is not None:
@@ -265,7 +266,8 @@ class IvrRunner:
         pcm = self.ctx.sounds.get(name)
         if pcm is None:
             raise _Failed(f"sound {name!r} was not loaded")
-        utterance = self.call.play(pcm, label=f"file:{name}", turn_started_at=self._turn_at)
+        turn, self._turn_at = self._turn_at, None
+        utterance = self.call.play(pcm, label=f"file:{name}", turn_started_at=turn)
         return await self._wait_played(utterance, barge_in=barge_in)
 
     async def _wait_played(self, utterance: Utterance, *, barge_in: bool) -> bool:
@@ -309,13 +311,19 @@ class IvrRunner:
             if getter not in done:
                 return None
             event = getter.result()
-        else:
-            event = await self.clock.next_event(self.call, timeout)
-        if isinstance(event, Hangup) or self.call.ended:
-            raise _CallEnded()
-        if isinstance(event, PlaybackDone):
-            return None
-        return event
+            if isinstance(event, Hangup) or self.call.ended:
+                raise _CallEnded()
+            return None if isinstance(event, PlaybackDone) else event
+        # Waiting for the caller: marks of earlier (interrupted) audio are not input and must
+        # not end the wait early; only the deadline does.
+        deadline = None if timeout is None else self.clock.now() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - self.clock.now())
+            event = await self.clock.next_event(self.call, remaining)
+            if isinstance(event, Hangup) or self.call.ended:
+                raise _CallEnded()
+            if not isinstance(event, PlaybackDone):
+                return event
 
     # --- gathering ----------------------------------------------------------------------------
 

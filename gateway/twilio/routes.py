@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
 from twilio.twiml.voice_response import Connect, Dial, VoiceResponse
 
-from gateway.call import TransferTo
-from gateway.twilio.session import Dialog, TwilioSession
+from gateway.call import Dialog, TransferTo
+from gateway.twilio.session import TwilioSession
 
 if TYPE_CHECKING:
     from gateway.app import GatewayState

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
@@ -21,6 +20,7 @@ from gateway.call import (
     Call,
     CallOutcome,
     Codec,
+    Dialog,
     Dtmf,
     HangUp,
     Hangup,
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Dialog = Callable[[Call], Awaitable[None]]
 
 
 class TwilioTransport:
@@ -172,44 +171,17 @@ class TwilioSession:
         return True
 
     def _start(self, event: Start) -> None:
-        settings = self.state.settings
         meta = event.start
-        voice = self.state.call_voice()
-        metrics = self.state.metrics
-        self.call = Call(
-            meta.callSid,
-            self.transport,
-            self.state.speech_service,
-            voice,
-            metrics=metrics,
-            transport_name="twilio",
-            max_frames_per_send=settings.frames_per_message,
-        )
         params = meta.customParameters
-        self.call.parameters.update(
-            caller=params.get("From", ""), called=params.get("To", ""), call_id=meta.callSid
-        )
         self.transport.call_sid = meta.callSid
-        if settings.barge_in_on_speech:
-            self.vad = SpeechStartDetector(
-                min_speech_ms=settings.vad_min_speech_ms, threshold=settings.vad_threshold
-            )
-        self.state.calls[meta.callSid] = self.call
-        metrics.calls_total.labels("twilio").inc()
-        metrics.calls_active.labels("twilio").inc()
+        self.call = self.state.open_call(
+            meta.callSid, self.transport, "twilio",
+            {"caller": params.get("From", ""), "called": params.get("To", "")},
+        )
+        self.vad = self.state.new_speech_detector()
         log.info("call %s: stream %s started (params %s)", meta.callSid, meta.streamSid,
                  sorted(meta.customParameters))
-        self._dialog_task = asyncio.create_task(self._run_dialog(self.call))
-
-    async def _run_dialog(self, call: Call) -> None:
-        try:
-            await self.dialog(call)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("call %s: dialog failed; hanging up", call.call_id)
-            await call.close()
-            await self.transport.hangup()
+        self._dialog_task = asyncio.create_task(self.state.run_dialog(self.call, self.dialog))
 
     async def _close(self, code: int, reason: str) -> None:
         if self.ws.application_state is WebSocketState.CONNECTED:
@@ -224,8 +196,7 @@ class TwilioSession:
         if call is not None:
             call.deliver(Hangup("stream ended"))
             await call.close()
-            self.state.calls.pop(call.call_id, None)
-            self.state.metrics.calls_active.labels("twilio").dec()
+            self.state.close_call(call, "twilio")
         task = self._dialog_task
         if task is not None and not task.done():
             task.cancel()

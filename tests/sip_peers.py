@@ -1,0 +1,245 @@
+"""Real SIP peers for the tests: SIPp scenarios and a baresip user agent (Debian packages).
+
+Configurations follow ../shared/notes/sip-peers.md: baresip headless on loopback with a WAV
+file as its microphone, a null speaker, the sndfile module recording what it hears, and its
+TCP control socket (netstring-framed JSON) to dial, send DTMF and hang up.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soundfile as sf
+
+SIPP_DIR = Path(__file__).parent / "sipp"
+
+
+def require(tool: str) -> str:
+    path = shutil.which(tool)
+    assert path, (
+        f"{tool} is not installed: apt-get install -y baresip-core sip-tester (.ci/run does)"
+    )
+    return path
+
+
+def free_port(kind: int = socket.SOCK_DGRAM, host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, kind) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class SippResult:
+    returncode: int
+    stdout: str
+    stats: dict[str, str]
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def run_sipp(
+    scenario: str,
+    target: tuple[str, int],
+    *,
+    local_ip: str = "127.0.0.1",
+    calls: int = 1,
+    rate: float = 1.0,
+    limit: int | None = None,
+    timeout_s: float = 60,
+    workdir: Path,
+    extra: list[str] | None = None,
+) -> SippResult:
+    """Run one SIPp scenario (tests/sipp/NAME.xml) against ``target``; returns its statistics."""
+    sipp = require("sipp")
+    port = free_port(host=local_ip)
+    stat_file = workdir / f"{Path(scenario).stem}-{port}.csv"
+    command = [
+        sipp,
+        f"{target[0]}:{target[1]}",
+        "-sf",
+        str(SIPP_DIR / scenario),
+        "-i",
+        local_ip,
+        "-p",
+        str(port),
+        "-m",
+        str(calls),
+        "-r",
+        str(rate),
+        "-l",
+        str(limit or calls),
+        "-nostdin",
+        "-trace_stat",
+        "-stf",
+        str(stat_file),
+        "-timeout",
+        f"{int(timeout_s)}s",
+        "-timeout_error",
+        "-max_recv_loops",
+        "1000",
+        "-mp",
+        str(free_port(host=local_ip)),
+        *(extra or []),
+    ]
+    proc = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout_s + 30, cwd=workdir
+    )
+    stats: dict[str, str] = {}
+    if stat_file.exists():
+        lines = [line for line in stat_file.read_text().splitlines() if line.strip()]
+        if len(lines) >= 2:
+            header, last = lines[0].split(";"), lines[-1].split(";")
+            stats = dict(zip(header, last, strict=False))
+    return SippResult(proc.returncode, proc.stdout + proc.stderr, stats)
+
+
+@dataclass
+class Baresip:
+    """A headless baresip caller on 127.0.0.1, driven over its ctrl_tcp socket."""
+
+    workdir: Path
+    seconds_of_audio: float = 40.0
+    microphone: np.ndarray | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sip_port = free_port()
+        self.ctrl_port = free_port(socket.SOCK_STREAM)
+        self.rtp_low = 30000 + (self.sip_port % 200) * 10
+        self.record_dir = self.workdir / "rec"
+        self.record_dir.mkdir(parents=True, exist_ok=True)
+        samples = (
+            self.microphone
+            if self.microphone is not None
+            else np.zeros(int(8000 * self.seconds_of_audio), dtype=np.int16)
+        )
+        sf.write(str(self.workdir / "mic.wav"), samples, 8000, subtype="PCM_16")
+        (self.workdir / "config").write_text(
+            "\n".join(
+                [
+                    "net_interface 127.0.0.1",
+                    f"sip_listen 127.0.0.1:{self.sip_port}",
+                    f"audio_source aufile,{self.workdir / 'mic.wav'}",
+                    "audio_player aubridge,nil",
+                    "audio_alert aubridge,nil",
+                    "module_path /usr/lib/baresip/modules",
+                    "module g711.so",
+                    "module aufile.so",
+                    "module aubridge.so",
+                    "module sndfile.so",
+                    "module_tmp account.so",
+                    "module_app menu.so",
+                    "module_app ctrl_tcp.so",
+                    f"ctrl_tcp_listen 127.0.0.1:{self.ctrl_port}",
+                    f"snd_path {self.record_dir}",
+                    f"rtp_ports {self.rtp_low}-{self.rtp_low + 9}",
+                ]
+            )
+            + "\n"
+        )
+        (self.workdir / "accounts").write_text(
+            "<sip:tester@127.0.0.1>;regint=0;answermode=auto;audio_codecs=pcmu;ptime=20\n"
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self._buffer = b""
+
+    def __enter__(self) -> Baresip:
+        require("baresip")
+        self.proc = subprocess.Popen(
+            ["baresip", "-f", str(self.workdir)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.sock = socket.create_connection(("127.0.0.1", self.ctrl_port), timeout=1)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "baresip did not open its control port"
+                time.sleep(0.05)
+        self.sock.settimeout(0.2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.command("quit")
+        except OSError:
+            pass
+        if self.proc is not None:
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if self.sock is not None:
+            self.sock.close()
+
+    # --- control protocol ---------------------------------------------------------------------
+
+    def command(self, command: str, params: str = "") -> None:
+        assert self.sock is not None
+        payload = json.dumps({"command": command, "params": params, "token": command}).encode()
+        self.sock.sendall(str(len(payload)).encode() + b":" + payload + b",")
+
+    def _pump(self) -> None:
+        assert self.sock is not None
+        try:
+            chunk = self.sock.recv(65536)
+        except TimeoutError:
+            return
+        except OSError:
+            return
+        self._buffer += chunk
+        while b":" in self._buffer:
+            length_text, _, rest = self._buffer.partition(b":")
+            if not length_text.isdigit() or len(rest) < int(length_text) + 1:
+                break
+            length = int(length_text)
+            message = json.loads(rest[:length])
+            self._buffer = rest[length + 1 :]
+            if message.get("event"):
+                self.events.append(message)
+
+    def wait_event(self, kind: str, timeout: float = 20) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            for event in self.events[seen:]:
+                if event.get("type") == kind:
+                    return event
+            seen = 0
+            self._pump()
+        raise AssertionError(
+            f"baresip: no {kind} in {timeout} s; events {[e.get('type') for e in self.events]}"
+        )
+
+    def dial(self, uri: str) -> None:
+        self.command("dial", uri)
+
+    def send_dtmf(self, digits: str, gap_s: float = 0.3) -> None:
+        for digit in digits:
+            self.command("sndcode", digit)
+            time.sleep(gap_s)
+
+    def hangup(self) -> None:
+        self.command("hangup")
+
+    def recording(self) -> np.ndarray:
+        """What baresip heard (the -dec.wav its sndfile module wrote), 8 kHz int16."""
+        files = sorted(self.record_dir.glob("*-dec.wav"))
+        assert files, f"baresip recorded nothing in {self.record_dir}"
+        audio, rate = sf.read(str(files[-1]), dtype="int16")
+        assert rate == 8000
+        return np.asarray(audio)

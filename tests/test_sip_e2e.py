@@ -1,0 +1,356 @@
+"""The SIP endpoint with real peers on loopback: baresip and SIPp against a real gateway.
+
+The gateway runs the demo IVR with the tiny model on CPU; its SIP endpoint listens on an
+ephemeral UDP port of 127.0.0.1 with an allow-list of 127.0.0.1/32, a 300 ms ring before
+answering (so a CANCEL can arrive first), and T1 = 100 ms (so the no-ACK case ends in 6.4 s;
+the RFC 3261 default timings are tested in virtual time in test_sip_uas.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import DEMO_SCRIPT, LiveServer, backend, serve
+from sip_peers import Baresip, run_sipp
+
+from gateway.call import HangUp, TransferTo
+
+
+@pytest.fixture(scope="module")
+def sip_gateway(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[tuple[LiveServer, Any]]:
+    with backend() as (url, seen), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ACME_BACKEND_URL", url)
+        with serve(
+            {
+                "model": str(tiny_model_dir),
+                "script": str(DEMO_SCRIPT),
+                "cache_dir": str(demo_cache_dir),
+                "sip": "127.0.0.1:0",
+                "sip_allow": "127.0.0.1/32",
+                "sip_max_calls": 32,
+                "sip_answer_delay_ms": 300,
+                "sip_t1_ms": 100,
+                "rtp_ports": "24000-24999",
+            }
+        ) as live:
+            yield live, seen
+
+
+def _target(live: LiveServer) -> tuple[str, int]:
+    endpoint = live.state.sip
+    assert endpoint is not None and endpoint.local_addr is not None
+    return endpoint.local_addr
+
+
+def _wait(predicate: Any, timeout: float = 20) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(0.02)
+    raise AssertionError("condition not met")
+
+
+def _idle(live: LiveServer) -> None:
+    endpoint = live.state.sip
+    _wait(
+        lambda: not endpoint.media and not live.state.calls and endpoint.core.active_calls == 0,
+        timeout=15,
+    )
+
+
+def test_baresip_hears_the_greeting_routes_by_dtmf_and_the_call_state_is_gone(
+    sip_gateway: tuple[LiveServer, Any], tmp_path: Path
+) -> None:
+    live, seen = sip_gateway
+    host, port = _target(live)
+    with Baresip(tmp_path) as phone:
+        phone.dial(f"sip:ivr@{host}:{port}")
+        phone.wait_event("CALL_ESTABLISHED")
+        call = _wait(lambda: next(iter(live.state.calls.values()), None))
+        assert call.call_id.startswith("sip-")
+        # The greeting, then the menu, come from the prompt cache.
+        _wait(lambda: len(call.utterances) >= 2 and call.utterances[1].first_frame_at, 30)
+        assert call.utterances[0].cached
+        started = time.monotonic()
+        phone.send_dtmf("1")
+        ask = _wait(
+            lambda: next(
+                (u for u in call.utterances if "six digit account" in u.text and u.first_frame_at),
+                None,
+            )
+        )
+        print(
+            f"\nSIP DTMF -> next prompt's first RTP frame: "
+            f"{1000 * (ask.first_frame_at - started):.0f} ms (includes baresip's send)"
+        )
+        phone.send_dtmf("123456#")
+        balance = _wait(
+            lambda: next((u for u in call.utterances if "balance is" in u.text), None), 30
+        )
+        assert balance.text.startswith("Thanks, Dana.")
+        assert seen[-1]["variables"]["account_number"] == "123456"
+        phone.hangup()
+        phone.wait_event("CALL_CLOSED")
+    _idle(live)
+    heard = phone.recording().astype(np.float64)
+    seconds = len(heard) / 8000
+    rms = float(np.sqrt(np.mean(heard**2)))
+    print(f"baresip recorded {seconds:.1f} s, RMS {rms:.0f}")
+    assert seconds > 3 and rms > 100  # non-silent: the tiny model speaks noise
+
+
+def test_dtmf_barge_in_stops_the_outgoing_stream(
+    sip_gateway: tuple[LiveServer, Any], tmp_path: Path
+) -> None:
+    live, _ = sip_gateway
+    host, port = _target(live)
+    endpoint = live.state.sip
+    with Baresip(tmp_path) as phone:
+        phone.dial(f"sip:ivr@{host}:{port}")
+        phone.wait_event("CALL_ESTABLISHED")
+        call = _wait(lambda: next(iter(live.state.calls.values()), None))
+        welcome = _wait(
+            lambda: call.utterances and call.utterances[0].first_frame_at and call.utterances[0]
+        )
+        media = next(iter(endpoint.media.values()))
+        assert len(media._queue) > 50  # the greeting is queued for pacing
+        pressed = time.monotonic()
+        phone.send_dtmf("2", gap_s=0)
+        _wait(lambda: welcome.interrupted, 5)
+        stopped = time.monotonic()
+        print(f"\nSIP barge-in: DTMF sent -> greeting stopped {1000 * (stopped - pressed):.0f} ms")
+        assert "2" in media.stats.digits
+        phone.wait_event("CALL_CLOSED", 30)  # "2" = agent: transfer by REFER, then BYE
+    _idle(live)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "local_ip"),
+    [
+        ("call_caller_bye.xml", "127.0.0.1"),
+        ("cancel.xml", "127.0.0.1"),
+        ("hold_resume.xml", "127.0.0.1"),
+        ("options.xml", "127.0.0.1"),
+        ("no_common_codec.xml", "127.0.0.1"),
+        ("forbidden.xml", "127.0.0.5"),
+        ("no_ack.xml", "127.0.0.1"),
+    ],
+)
+def test_sipp_scenarios(
+    sip_gateway: tuple[LiveServer, Any], tmp_path: Path, scenario: str, local_ip: str
+) -> None:
+    live, _ = sip_gateway
+    result = run_sipp(scenario, _target(live), local_ip=local_ip, workdir=tmp_path, timeout_s=40)
+    assert result.ok, result.stdout[-3000:]
+    _idle(live)
+
+
+def test_sipp_call_hung_up_by_the_gateway(
+    sip_gateway: tuple[LiveServer, Any], tmp_path: Path
+) -> None:
+    live, _ = sip_gateway
+    endpoint = live.state.sip
+    import threading
+
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        outcome["result"] = run_sipp("call_gateway_bye.xml", _target(live), workdir=tmp_path)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    call = _wait(lambda: next(iter(live.state.calls.values()), None))
+    _wait(lambda: call.utterances and call.utterances[0].first_frame_at)
+    asyncio.run_coroutine_threadsafe(call.end(HangUp()), endpoint.loop).result(5)
+    thread.join(30)
+    assert outcome["result"].ok, outcome["result"].stdout[-3000:]
+    _idle(live)
+
+
+def test_over_capacity_and_draining(sip_gateway: tuple[LiveServer, Any], tmp_path: Path) -> None:
+    live, _ = sip_gateway
+    endpoint = live.state.sip
+    config = endpoint.core.config
+    config.max_calls = 1
+    try:
+        import threading
+
+        holder: dict[str, Any] = {}
+        thread = threading.Thread(
+            target=lambda: holder.update(
+                result=run_sipp("hold_open.xml", _target(live), workdir=tmp_path)
+            )
+        )
+        thread.start()
+        _wait(lambda: endpoint.core.active_calls == 1)
+        busy = run_sipp("busy.xml", _target(live), workdir=tmp_path)
+        assert busy.ok, busy.stdout[-3000:]
+        thread.join(30)
+        assert holder["result"].ok, holder["result"].stdout[-3000:]
+    finally:
+        config.max_calls = 32
+    _idle(live)
+    live.state.draining = True
+    try:
+        draining = run_sipp("draining.xml", _target(live), workdir=tmp_path)
+        assert draining.ok, draining.stdout[-3000:]
+    finally:
+        live.state.draining = False
+
+
+def test_fifty_calls_at_ten_per_second(sip_gateway: tuple[LiveServer, Any], tmp_path: Path) -> None:
+    live, _ = sip_gateway
+    result = run_sipp(
+        "call_caller_bye.xml",
+        _target(live),
+        calls=50,
+        rate=10,
+        limit=30,
+        workdir=tmp_path,
+        timeout_s=60,
+    )
+    stats = result.stats
+    print(
+        f"\nSIPp 50 calls at 10/s: successful {stats.get('SuccessfulCall(C)')}, failed "
+        f"{stats.get('FailedCall(C)')}, response time 1 (ms, mean) "
+        f"{stats.get('ResponseTime1(C)')}, elapsed {stats.get('ElapsedTime(C)')}"
+    )
+    assert result.ok, result.stdout[-3000:]
+    assert stats.get("SuccessfulCall(C)") == "50" and stats.get("FailedCall(C)") == "0"
+    _idle(live)
+
+
+# --- one IVR behaviour suite, every transport (STYLE rule 12) ----------------------------------
+
+SCENARIOS = {
+    "account lookup, then goodbye": [
+        ("hear", "For your account balance"),
+        ("press", "1"),
+        ("hear", "six digit account"),
+        ("press", "123456#"),
+        ("hear", "Your balance is 456.10"),
+        ("hear", "press 3"),
+        ("press", "3"),
+        ("hear", "Goodbye."),
+        ("ended", "hangup"),
+    ],
+    "straight to an agent": [
+        ("hear", "For your account balance"),
+        ("press", "2"),
+        ("hear", "transfer you"),
+        ("ended", "transfer"),
+    ],
+}
+
+
+class TwilioCaller:
+    """The scenario's caller over Twilio Media Streams (the test Twilio client)."""
+
+    def __init__(self, live: LiveServer, n: int) -> None:
+        from conftest import AUTH_TOKEN
+        from twilio_client import FakeTwilioCall
+
+        self.live = live
+        self.fake = FakeTwilioCall(
+            live.ws_url,
+            AUTH_TOKEN,
+            call_sid=f"CA{n:032d}",
+            stream_sid=f"MZ{n:032d}",
+            playback_speed=20,
+        )
+
+    async def start(self) -> None:
+        await self.fake.connect()
+        await self.fake.start({"From": "+15550001111"})
+
+    async def press(self, keys: str) -> None:
+        for key in keys:
+            await self.fake.send_dtmf(key)
+            await asyncio.sleep(0.05)
+
+    async def ended(self) -> None:
+        await self.fake.wait_for(lambda: self.fake.closed.is_set(), timeout=30)
+
+    async def close(self) -> None:
+        await self.fake.close()
+
+
+class SipCaller:
+    """The same caller over SIP/RTP (baresip dialling the gateway's SIP endpoint)."""
+
+    def __init__(self, live: LiveServer, workdir: Path) -> None:
+        self.live = live
+        self.phone = Baresip(workdir)
+
+    async def start(self) -> None:
+        self.phone.__enter__()
+        host, port = _target(self.live)
+        self.phone.dial(f"sip:ivr@{host}:{port}")
+        await asyncio.to_thread(self.phone.wait_event, "CALL_ESTABLISHED")
+
+    async def press(self, keys: str) -> None:
+        await asyncio.to_thread(self.phone.send_dtmf, keys, 0.15)
+
+    async def ended(self) -> None:
+        await asyncio.to_thread(self.phone.wait_event, "CALL_CLOSED", 40)
+
+    async def close(self) -> None:
+        self.phone.__exit__()
+
+
+@pytest.mark.parametrize("transport", ["twilio", "sip"])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+async def test_ivr_scenarios_behave_the_same_on_every_transport(
+    sip_gateway: tuple[LiveServer, Any], tmp_path: Path, transport: str, name: str
+) -> None:
+    live, _ = sip_gateway
+    before = set(live.state.calls)
+    caller: TwilioCaller | SipCaller = (
+        TwilioCaller(live, 100 + len(name)) if transport == "twilio" else SipCaller(live, tmp_path)
+    )
+    await caller.start()
+    try:
+        call = await _await(
+            lambda: next((c for k, c in live.state.calls.items() if k not in before), None)
+        )
+        for step, arg in SCENARIOS[name]:
+            if step == "hear":
+                # Heard = its first frame went out (SIP plays in real time; a key press while a
+                # prompt plays barges in, exactly as a caller would).
+                try:
+                    await _await(
+                        lambda arg=arg: any(
+                            arg in u.text and u.first_frame_at for u in call.utterances
+                        ),
+                        40,
+                    )
+                except AssertionError:
+                    said = [(u.text[:70], u.interrupted) for u in call.utterances]
+                    raise AssertionError(f"never heard {arg!r}; said {said}") from None
+            elif step == "press":
+                await caller.press(arg)
+            else:
+                await caller.ended()
+                expected = TransferTo if arg == "transfer" else HangUp
+                assert isinstance(call.outcome, expected), call.outcome
+    finally:
+        await caller.close()
+    _idle(live)
+
+
+async def _await(predicate: Any, timeout: float = 20) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met")
