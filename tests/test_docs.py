@@ -12,7 +12,7 @@ README = (ROOT / "README.md").read_text()
 
 
 def test_every_setting_is_in_the_configuration_table() -> None:
-    documented = set(re.findall(r"^\| `(GATEWAY_[A-Z_]+)` \|", README, flags=re.M))
+    documented = set(re.findall(r"^\| `(GATEWAY_[A-Z0-9_]+)` \|", README, flags=re.M))
     expected = {f"GATEWAY_{name.upper()}" for name in Settings.model_fields}
     assert documented == expected
 
