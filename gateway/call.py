@@ -140,6 +140,8 @@ class Utterance:
     frames_sent: int = 0
     generated: asyncio.Event = field(default_factory=asyncio.Event)
     played: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set when generation failed (``error`` says why): no mark will come.
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
     interrupted: bool = False
     error: str | None = None
     task: asyncio.Task[None] | None = None
@@ -353,6 +355,7 @@ class Call:
                 await self._send(utterance, tail)
         except EngineError as exc:
             utterance.error = str(exc)
+            utterance.failed.set()
             log.warning("call %s: %s failed: %s", self.call_id, utterance.id, exc)
             pipeline.reset()
             if self._metrics is not None:

@@ -15,6 +15,7 @@ import typer
 
 from gateway.config import Settings
 from gateway.errors import GatewayError
+from gateway.loadsim.cli import loadsim_app
 
 app = typer.Typer(
     add_completion=False,
@@ -25,6 +26,7 @@ app = typer.Typer(
 model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
 prompts_app = typer.Typer(no_args_is_help=True, help="IVR scripts: validate, pre-render.")
 app.add_typer(prompts_app, name="prompts")
+app.add_typer(loadsim_app, name="loadsim")
 app.add_typer(model_app, name="model")
 voices_app = typer.Typer(
     no_args_is_help=True, help="Registered cloned voices (Qwen3-TTS voice-clone prompts)."

@@ -150,6 +150,10 @@ class Settings(BaseSettings):
     ws_max_size: int = Field(
         1024 * 1024, ge=1024, description="WebSocket frame limit enforced by the server."
     )
+    twilio_max_lead_ms: int = Field(
+        1000, ge=100, le=60000,
+        description="Send audio to Twilio at most this far ahead of the caller's playback.",
+    )
     frames_per_message: int = Field(
         50, ge=1, le=500, description="Max 20 ms frames batched into one outbound media message."
     )

@@ -354,3 +354,23 @@ async def _await(predicate: Any, timeout: float = 20) -> Any:
             return result
         await asyncio.sleep(0.02)
     raise AssertionError("condition not met")
+
+
+def test_loadsim_drives_sip_callers(sip_gateway: tuple[LiveServer, Any]) -> None:
+    """The load simulator's own SIP callers against the endpoint: the same measurements."""
+    from gateway.loadsim.runner import LoadConfig, run_level
+
+    live, _ = sip_gateway
+    host, port = _target(live)
+    config = LoadConfig(target=f"{host}:{port}", transport="sip", digits=["9"], think_s=0.8,
+                        listen_s=0.5, duration_s=2.0, turn_timeout_s=10.0)
+    level = run_level(config, 4, 0)
+    summary = level.summary()
+    print(f"\nloadsim over SIP, 4 callers: {summary['calls']} calls, first audio p50 "
+          f"{summary['ttfa_ms']['p50']:.0f} ms, setup p50 {summary['setup_ms']['p50']:.0f} ms, "
+          f"jitter p50 {summary['jitter_ms']['p50']:.2f} ms, MOS {summary['mos']:.2f}")
+    assert summary["errors"] == 0 and summary["calls"] >= 4, [c.error for c in level.calls]
+    assert summary["ttfa_ms"]["p50"] is not None and summary["gaps"] == 0
+    answers = [t for c in level.calls for t in c.turns if t.kind == "answer"]
+    assert all(t.first_audio_ms is not None for t in answers)
+    _idle(live)

@@ -303,11 +303,15 @@ class IvrRunner:
         if utterance is not None:
             getter = asyncio.ensure_future(self.clock.next_event(self.call, None))
             played = asyncio.ensure_future(utterance.played.wait())
-            generated = asyncio.ensure_future(_failed(utterance))
-            done, pending = await asyncio.wait({getter, played, generated},
-                                               return_when=asyncio.FIRST_COMPLETED)
-            for future in pending:
-                future.cancel()
+            generated = asyncio.ensure_future(utterance.failed.wait())
+            waiters = {getter, played, generated}
+            try:
+                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                # Also when this task is cancelled (the call ended): no waiter may outlive it.
+                for future in waiters:
+                    if not future.done():
+                        future.cancel()
             if getter not in done:
                 return None
             event = getter.result()
@@ -401,18 +405,6 @@ class IvrRunner:
         # The turn that follows a webhook is measured from its answer.
         self._turn_at = time.monotonic()
         log.info("call %s: webhook %s set %s", self.call.call_id, name, sorted(merged))
-
-
-async def _failed(utterance: Utterance) -> None:
-    """Completes when the utterance's task ends with an error (no mark will come)."""
-    if utterance.task is not None:
-        try:
-            await asyncio.shield(utterance.task)
-        except BaseException:
-            pass
-    if utterance.error is None:
-        # Ended normally: keep waiting for the mark.
-        await asyncio.Event().wait()
 
 
 def _merge_variables(data: dict[str, Any]) -> dict[str, str]:

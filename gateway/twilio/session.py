@@ -59,9 +59,17 @@ class TwilioTransport:
         websocket: WebSocket,
         protocol: MediaStreamProtocol,
         outcomes: dict[str, CallOutcome] | None = None,
+        max_lead_s: float = 1.0,
     ) -> None:
         self._ws = websocket
         self._protocol = protocol
+        # Audio is sent at most this far ahead of the caller's playback: Twilio would buffer
+        # a whole 20 s prompt, but a caller who barges in after 1 s would then have cost 20 s
+        # of bandwidth and server work, and a few hundred calls bursting whole prompts at once
+        # starve everything else.
+        self._max_lead_s = max_lead_s
+        self._lead_origin = 0.0
+        self._sent_s = 0.0
         self._outcomes = outcomes if outcomes is not None else {}
         self.call_sid: str | None = None
         # Frames, marks and clear come from the utterance task and the receive loop; one lock
@@ -78,13 +86,22 @@ class TwilioTransport:
     async def send_frames(self, frames: list[bytes]) -> None:
         # Several 20 ms frames may share one message: its payload is still a whole number of
         # 160-byte frames, and Twilio plays them back to back.
+        now = time.monotonic()
+        ahead = self._sent_s - (now - self._lead_origin)
+        if ahead <= 0:
+            # Nothing left to play at Twilio: playback restarts with this frame.
+            self._lead_origin, self._sent_s, ahead = now, 0.0, 0.0
+        if ahead > self._max_lead_s:
+            await asyncio.sleep(ahead - self._max_lead_s)
         await self._write(self._protocol.media_text(b"".join(frames)))
+        self._sent_s += len(frames) * 0.02
 
     async def send_mark(self, name: str) -> None:
         await self._write(self._protocol.send(OutboundMark(name)))
 
     async def clear(self) -> None:
         await self._write(self._protocol.send(OutboundClear()))
+        self._sent_s = 0.0  # Twilio's buffer is empty now
 
     async def hangup(self) -> None:
         await self.end(HangUp())
@@ -107,7 +124,8 @@ class TwilioSession:
         self.state = state
         self.dialog = dialog
         self.protocol = MediaStreamProtocol(max_message_bytes=state.settings.max_message_bytes)
-        self.transport = TwilioTransport(websocket, self.protocol, state.outcomes)
+        self.transport = TwilioTransport(websocket, self.protocol, state.outcomes,
+                                         max_lead_s=state.settings.twilio_max_lead_ms / 1000)
         self.call: Call | None = None
         self._dialog_task: asyncio.Task[None] | None = None
         self.inbound_frames = 0

@@ -1,0 +1,200 @@
+"""What the load simulator measures, how it aggregates, and the SLO it checks.
+
+The JSON document these classes serialise to is the simulator's result file (one per run, one
+per worker process, mergeable across hosts) and the input of :mod:`gateway.loadsim.report`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gateway.errors import GatewayError
+from gateway.loadsim.emodel import estimate
+
+#: Mouth-to-ear delay the E-model is given on top of the network: one 20 ms packet plus the
+#: 40 ms jitter buffer the simulated phone plays out through.
+PACKETISATION_MS = 20.0
+JITTER_BUFFER_MS = 40.0
+
+
+class SloError(GatewayError):
+    """An SLO expression that cannot be understood."""
+
+
+@dataclass
+class Turn:
+    """One caller turn and what the caller felt after it."""
+
+    kind: str  # answer | dtmf | barge_in | speech
+    at_s: float  # since the run started
+    first_audio_ms: float | None = None
+    gaps: int = 0
+    gap_ms: float = 0.0
+    barge_in_ms: float | None = None
+    timed_out: bool = False
+
+
+@dataclass
+class CallRecord:
+    """One simulated call."""
+
+    id: str
+    level: int
+    transport: str = "twilio"
+    setup_ms: float | None = None
+    error: str | None = None
+    dropped: bool = False
+    turns: list[Turn] = field(default_factory=list)
+    jitter_ms: float | None = None
+    loss_pct: float | None = None
+    mark_rtt_ms: list[float] = field(default_factory=list)
+    audio_ms: float = 0.0
+    started_s: float = 0.0
+    ended_s: float = 0.0
+
+    @property
+    def gap_ms(self) -> float:
+        return sum(t.gap_ms for t in self.turns)
+
+    @property
+    def gaps(self) -> int:
+        return sum(t.gaps for t in self.turns)
+
+    def emodel(self) -> tuple[float, float] | None:
+        """(R-factor, MOS) from the call's one-way delay and effective loss (gaps as loss)."""
+        if self.audio_ms <= 0:
+            return None
+        loss = self.loss_pct if self.loss_pct is not None else 0.0
+        loss = max(loss, 100.0 * self.gap_ms / max(self.audio_ms, 1.0))
+        delay = PACKETISATION_MS + JITTER_BUFFER_MS + (self.jitter_ms or 0.0) * 2
+        result = estimate(delay, min(loss, 100.0))
+        return result.r, result.mos
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CallRecord:
+        turns = [Turn(**t) for t in data.get("turns", [])]
+        fields = {k: v for k, v in data.items() if k != "turns"}
+        return cls(**fields, turns=turns)
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "p99": None, "max": None}
+    arr = np.asarray(values, dtype=float)
+    return {"p50": float(np.percentile(arr, 50)), "p95": float(np.percentile(arr, 95)),
+            "p99": float(np.percentile(arr, 99)), "max": float(arr.max())}
+
+
+@dataclass
+class Level:
+    """Aggregates of every call run at one concurrency level."""
+
+    concurrency: int
+    calls: list[CallRecord]
+    lateness_ms: list[float] = field(default_factory=list)
+    #: Refuse latency figures when the simulator's own p99 lateness exceeds this fraction of
+    #: the p50 first-audio latency it measured.
+    refuse_fraction: float = 0.25
+
+    def summary(self) -> dict[str, Any]:
+        firsts = [t.first_audio_ms for c in self.calls for t in c.turns
+                  if t.first_audio_ms is not None]
+        timeouts = sum(1 for c in self.calls for t in c.turns if t.timed_out)
+        barges = [t.barge_in_ms for c in self.calls for t in c.turns if t.barge_in_ms is not None]
+        models = [m for m in (c.emodel() for c in self.calls) if m is not None]
+        lateness = percentiles(self.lateness_ms)
+        ttfa = percentiles(firsts)
+        refused = None
+        if lateness["p99"] is not None and ttfa["p50"] is not None and \
+                lateness["p99"] > self.refuse_fraction * ttfa["p50"]:
+            refused = (f"simulator lateness p99 {lateness['p99']:.1f} ms is more than "
+                       f"{self.refuse_fraction:.0%} of the first-audio p50 {ttfa['p50']:.1f} ms: "
+                       "latency figures withheld; run with more --workers")
+        return {
+            "concurrency": self.concurrency,
+            "calls": len(self.calls),
+            "turns": sum(len(c.turns) for c in self.calls),
+            "errors": sum(1 for c in self.calls if c.error),
+            "dropped": sum(1 for c in self.calls if c.dropped),
+            "timeouts": timeouts,
+            "ttfa_ms": ttfa,
+            "barge_in_ms": percentiles(barges),
+            "setup_ms": percentiles([c.setup_ms for c in self.calls if c.setup_ms is not None]),
+            "gaps": sum(c.gaps for c in self.calls),
+            "gap_ms": float(sum(c.gap_ms for c in self.calls)),
+            "jitter_ms": percentiles([c.jitter_ms for c in self.calls if c.jitter_ms is not None]),
+            "mos": float(np.mean([m[1] for m in models])) if models else None,
+            "r_factor": float(np.mean([m[0] for m in models])) if models else None,
+            "lateness_ms": lateness,
+            "refused": refused,
+        }
+
+
+# --- SLO --------------------------------------------------------------------------------------
+
+_CLAUSE = re.compile(r"^\s*(\w+)\s*(<=|>=|<|>|=)\s*([0-9.]+)\s*(ms|s|%)?\s*$")
+_METRICS = {
+    "ttfa_p50": ("ttfa_ms", "p50"), "ttfa_p95": ("ttfa_ms", "p95"),
+    "ttfa_p99": ("ttfa_ms", "p99"), "barge_p95": ("barge_in_ms", "p95"),
+    "setup_p95": ("setup_ms", "p95"), "gaps": ("gaps", None), "gap_ms": ("gap_ms", None),
+    "errors": ("errors", None), "timeouts": ("timeouts", None), "dropped": ("dropped", None),
+    "mos": ("mos", None),
+}
+
+
+@dataclass(frozen=True)
+class Clause:
+    metric: str
+    op: str
+    value: float
+
+    def check(self, summary: dict[str, Any]) -> tuple[bool, float | None]:
+        key, sub = _METRICS[self.metric]
+        actual = summary[key][sub] if sub else summary[key]
+        if actual is None:
+            return False, None
+        ok = {"<": actual < self.value, "<=": actual <= self.value, ">": actual > self.value,
+              ">=": actual >= self.value, "=": actual == self.value}[self.op]
+        return ok, float(actual)
+
+
+def parse_slo(text: str) -> list[Clause]:
+    """``"ttfa_p95<200ms,gaps=0"`` -> clauses (times in ms; ``s`` converts)."""
+    clauses = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        match = _CLAUSE.match(part)
+        if not match:
+            raise SloError(f"cannot read SLO clause {part.strip()!r}: write e.g. ttfa_p95<200ms")
+        metric, op, number, unit = match.groups()
+        if metric not in _METRICS:
+            raise SloError(f"unknown SLO metric {metric!r}; known: {', '.join(sorted(_METRICS))}")
+        value = float(number) * (1000 if unit == "s" else 1)
+        clauses.append(Clause(metric, op, value))
+    if not clauses:
+        raise SloError("empty SLO")
+    return clauses
+
+
+def evaluate(clauses: list[Clause], summary: dict[str, Any]) -> tuple[bool, list[str]]:
+    """Whether a level meets every clause, with a line per clause."""
+    lines = []
+    passed = True
+    if summary.get("refused") and any(c.metric.startswith(("ttfa", "barge", "setup"))
+                                      for c in clauses):
+        return False, [f"refused: {summary['refused']}"]
+    for clause in clauses:
+        ok, actual = clause.check(summary)
+        passed &= ok
+        shown = "n/a" if actual is None else f"{actual:g}"
+        lines.append(f"{clause.metric} {clause.op} {clause.value:g}: {shown} "
+                     f"{'ok' if ok else 'MISSED'}")
+    return passed, lines
