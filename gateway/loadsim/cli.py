@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from gateway.errors import GatewayError
-from gateway.loadsim.model import Level, evaluate, parse_slo
+from gateway.loadsim.model import Level, evaluate, latency_bound, parse_slo
 from gateway.loadsim.runner import LoadConfig, levels_from_document, result_document, run_level
 
 loadsim_app = typer.Typer(no_args_is_help=True,
@@ -126,6 +126,7 @@ def run(target: TargetArg, concurrency: Annotated[int, typer.Option(help="Caller
     passed = None
     lines: list[str] = []
     if clauses is not None:
+        level.slo_bound_ms = latency_bound(clauses)
         passed, lines = evaluate(clauses, level.summary())
     document = result_document(config, [level], started, time.monotonic() - t0, slo, passed,
                                [passed])
@@ -160,6 +161,7 @@ def capacity(target: TargetArg, slo: Annotated[str, typer.Option(
     index = 0
     while concurrency <= max_level:
         level = run_level(config, concurrency, index, _progress_printer())
+        level.slo_bound_ms = latency_bound(clauses)
         passed, lines = evaluate(clauses, level.summary())
         levels.append(level)
         verdicts.append(passed)
@@ -201,6 +203,8 @@ def merge(files: Annotated[list[Path], typer.Argument(help="Result files (--json
     passed = None
     if slo:
         clauses = parse_slo(slo)
+        for lv in levels:
+            lv.slo_bound_ms = latency_bound(clauses)
         verdicts = [evaluate(clauses, lv.summary())[0] for lv in levels]
         passed = all(v for v in verdicts)
     document = result_document(config, levels, documents[0]["meta"]["started"],
