@@ -263,3 +263,85 @@ def test_a_slowed_engine_raises_first_audio_latency_accordingly(tiny_model_dir: 
         slowed = dtmf_ttfa()
     print(f"\nfirst audio after a key: {baseline:.0f} ms, with +400 ms planted: {slowed:.0f} ms")
     assert 300 <= slowed - baseline <= 600
+
+
+@pytest.mark.parametrize("pattern", ["rate", "ramp"])
+def test_arrival_patterns(gateway: LiveServer, pattern: str) -> None:
+    config = LoadConfig(
+        target=gateway.base_url,
+        auth_token=AUTH_TOKEN,
+        digits=["9"],
+        think_s=0.3,
+        listen_s=0.2,
+        duration_s=2.0,
+        pattern=pattern,
+        rate=4.0,
+        ramp_from=1,
+        seed=7,
+    )
+    level = run_level(config, 4, 0)
+    summary = level.summary()
+    assert summary["errors"] == 0 and summary["calls"] >= 3, summary
+    starts = sorted(c.started_s for c in level.calls)
+    if pattern == "ramp":
+        # 1 caller at first, 4 by the end: calls start spread over the run, not all at once.
+        assert starts[1] - starts[0] > 0.2
+    else:
+        assert starts[-1] - starts[0] > 0.5  # Poisson arrivals over the 2 s
+
+
+def test_workers_split_the_callers_and_merge_combines_hosts(
+    gateway: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = []
+    for host in ("a", "b"):
+        path = tmp_path / f"{host}.json"
+        code = main(
+            [
+                "loadsim",
+                "run",
+                gateway.base_url,
+                "--concurrency",
+                "4",
+                "--workers",
+                "2",
+                "--duration",
+                "2",
+                "--digits",
+                "9",
+                "--think",
+                "0.3",
+                "--listen",
+                "0.2",
+                "--auth-token",
+                AUTH_TOKEN,
+                "--json",
+                str(path),
+            ]
+        )
+        assert code == 0
+        document = json.loads(path.read_text())
+        assert document["meta"]["workers"] == 2
+        assert {c["id"].split("-")[0] for c in document["calls"]} == {"w0", "w1"}
+        files.append(path)
+    merged = tmp_path / "merged.json"
+    html = tmp_path / "merged.html"
+    code = main(
+        [
+            "loadsim",
+            "merge",
+            *map(str, files),
+            "-o",
+            str(merged),
+            "--html",
+            str(html),
+            "--slo",
+            "errors=0",
+        ]
+    )
+    assert code == 0
+    document = json.loads(merged.read_text())
+    single = [json.loads(f.read_text()) for f in files]
+    assert document["levels"][0]["concurrency"] == 8
+    assert len(document["calls"]) == sum(len(d["calls"]) for d in single)
+    assert html.exists() and "<svg" in html.read_text()
