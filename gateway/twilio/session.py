@@ -70,6 +70,9 @@ class TwilioTransport:
         self._max_lead_s = max_lead_s
         self._lead_origin = 0.0
         self._sent_s = 0.0
+        # Where each outstanding mark sits in the sent audio: its echo says Twilio has played
+        # that far, which corrects the lead estimate when playback runs ahead of our clock.
+        self._mark_at_s: dict[str, float] = {}
         self._outcomes = outcomes if outcomes is not None else {}
         self.call_sid: str | None = None
         # Frames, marks and clear come from the utterance task and the receive loop; one lock
@@ -83,6 +86,10 @@ class TwilioTransport:
                 await self._ws.send_text(text)
                 self.messages_sent += 1
 
+    def lead_s(self) -> float:
+        """Seconds of sent audio Twilio has not played yet, as far as this side can tell."""
+        return max(0.0, self._sent_s - (time.monotonic() - self._lead_origin))
+
     async def send_frames(self, frames: list[bytes]) -> None:
         # Several 20 ms frames may share one message: its payload is still a whole number of
         # 160-byte frames, and Twilio plays them back to back.
@@ -91,17 +98,29 @@ class TwilioTransport:
         if ahead <= 0:
             # Nothing left to play at Twilio: playback restarts with this frame.
             self._lead_origin, self._sent_s, ahead = now, 0.0, 0.0
+            self._mark_at_s.clear()  # positions were on the old origin, all played by now
         if ahead > self._max_lead_s:
             await asyncio.sleep(ahead - self._max_lead_s)
         await self._write(self._protocol.media_text(b"".join(frames)))
         self._sent_s += len(frames) * 0.02
 
     async def send_mark(self, name: str) -> None:
+        self._mark_at_s[name] = self._sent_s
         await self._write(self._protocol.send(OutboundMark(name)))
+
+    def mark_played(self, name: str) -> None:
+        """Twilio echoed mark ``name``: everything sent before it has been played."""
+        position = self._mark_at_s.pop(name, None)
+        if position is None:
+            return
+        # Only ever move the estimate forward: a mark says playback is at least this far along
+        # (it may have arrived late), so the lead can shrink on it but never grow.
+        self._lead_origin = min(self._lead_origin, time.monotonic() - position)
 
     async def clear(self) -> None:
         await self._write(self._protocol.send(OutboundClear()))
         self._sent_s = 0.0  # Twilio's buffer is empty now
+        self._mark_at_s.clear()  # cleared marks come back at once; they say nothing now
 
     async def hangup(self) -> None:
         await self.end(HangUp())
@@ -176,6 +195,7 @@ class TwilioSession:
                 call.deliver(Dtmf(event.dtmf.digit, at=time.monotonic()))
             return True
         if isinstance(event, Mark):
+            self.transport.mark_played(event.mark.name)
             if call is not None:
                 call.deliver(PlaybackDone(event.mark.name))
             return True
