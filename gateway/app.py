@@ -8,6 +8,7 @@ balancer never sends a caller to a gateway that would answer with silence.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -26,6 +27,7 @@ from gateway.call import Call, CallOutcome, CallTransport, Dialog, HangUp, Voice
 from gateway.config import Settings
 from gateway.demo import greeter
 from gateway.errors import GatewayError
+from gateway.http_limits import RequestLimits
 from gateway.ivr.cache import PromptCache
 from gateway.ivr.prompts import ResolvedVoice, render_missing, resolve_voice
 from gateway.ivr.runner import IvrRunner, RunnerContext, load_sound
@@ -40,6 +42,10 @@ from gateway.twilio.signature import SignatureChecker
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[Settings], Sequence[Engine]]
+
+#: How long the voice webhook holds a place for a call whose Media Stream has not connected yet
+#: (Twilio connects within a second or two; a call that never streams gives its place back).
+RESERVATION_S = 30.0
 
 
 def default_engine_factory(settings: Settings) -> list[Engine]:
@@ -84,6 +90,9 @@ class GatewayState:
     dialog: Dialog | None = None
     #: True while draining: new calls are refused (SIP 503), active calls finish.
     draining: bool = False
+    #: Twilio calls admitted by the voice webhook whose stream has not started yet:
+    #: CallSid -> when the reservation lapses. They count against ``max_calls``.
+    reservations: dict[str, float] = field(default_factory=dict)
     sip: Any = None
     #: Called with a message when start-up fails (the CLI stops the server and exits 1).
     on_fatal: Callable[[str], None] | None = None
@@ -98,6 +107,76 @@ class GatewayState:
         settings = self.settings
         return Voice(speaker=settings.speaker, language=settings.language,
                      instruct=settings.instruct, seed=settings.seed)
+
+    # --- admission ----------------------------------------------------------------------------
+
+    def active_calls(self, transport: str | None = None) -> int:
+        """Calls in progress (on one transport, or all)."""
+        if transport is None:
+            return len(self.calls)
+        return sum(1 for call in self.calls.values() if call.transport_name == transport)
+
+    def _reserved(self) -> int:
+        now = time.monotonic()
+        for sid in [sid for sid, until in self.reservations.items() if until <= now]:
+            del self.reservations[sid]
+        return len(self.reservations)
+
+    def refusal(self) -> str | None:
+        """Why a new call would be turned away now (``None``: it is welcome)."""
+        if self.draining:
+            return "draining"
+        if not self.ready:
+            return "not_ready"
+        if len(self.calls) + self._reserved() >= self.settings.max_calls:
+            return "at_capacity"
+        return None
+
+    def admit_twilio(self, call_sid: str | None) -> str | None:
+        """The voice webhook's admission: hold a place for the stream, or say why not."""
+        reason = self.refusal()
+        if reason is None and call_sid:
+            self.reservations[call_sid] = time.monotonic() + RESERVATION_S
+        return reason
+
+    def admit_stream(self, call_sid: str | None) -> str | None:
+        """A Media Stream starting: its webhook's reservation, or a fresh admission (TwiML
+        served by someone else points straight at the stream URL)."""
+        if call_sid and self.reservations.pop(call_sid, None) is not None:
+            return None
+        return self.refusal()
+
+    def sip_capacity(self) -> int:
+        """How many SIP calls may be up at once now: what the other transports leave."""
+        others = len(self.calls) - self.active_calls("sip") + self._reserved()
+        return max(0, self.settings.max_calls - others)
+
+    # --- drain --------------------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """Stop taking calls (/readyz 503, Twilio busy message, SIP 503); calls continue."""
+        if self.draining:
+            return
+        self.draining = True
+        self.metrics.draining.set(1)
+        log.warning("draining: no new calls; %d active call(s) may continue for up to %g s",
+                    len(self.calls), self.settings.drain_grace_s)
+
+    async def drain(self, poll_s: float = 0.1) -> None:
+        """Drain: wait for the active calls to end, up to the grace period; hang up the rest."""
+        self.begin_drain()
+        deadline = time.monotonic() + self.settings.drain_grace_s
+        while (self.calls or self._reserved()) and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        left = list(self.calls.values())
+        if left:
+            log.warning("drain grace over: hanging up %d call(s)", len(left))
+            for call in left:
+                with contextlib.suppress(Exception):
+                    await call.end(HangUp())
+        log.info("drained")
+
+    # --- calls --------------------------------------------------------------------------------
 
     def open_call(self, call_id: str, transport: CallTransport, transport_name: str,
                   parameters: dict[str, str]) -> Call:
@@ -192,6 +271,9 @@ def create_app(
 
     app = FastAPI(title="Qwen3-TTS IVR gateway", lifespan=lifespan)
     app.state.gateway = state
+    # Webhook bodies are read whole before their signature can be checked: cap size and time.
+    app.add_middleware(RequestLimits, max_body_bytes=settings.max_request_bytes,
+                       timeout_s=settings.http_request_timeout_s)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, object]:
@@ -199,6 +281,10 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
+        if state.draining:
+            # A load balancer stops sending new calls here; the active ones carry on.
+            return JSONResponse({"status": "draining", "calls": len(state.calls)},
+                                status_code=503)
         if state.ready and state.speech is not None:
             return JSONResponse({"status": "ready", "engine": state.speech.engine.name,
                                  "calls": len(state.calls)})
@@ -252,6 +338,8 @@ async def _load(state: GatewayState, engine_factory: EngineFactory) -> None:
         first_audio_budget_s=settings.first_audio_budget_ms / 1000,
         ahead_high_s=settings.ahead_high_ms / 1000,
         ahead_low_s=settings.ahead_low_ms / 1000,
+        step_timeout_s=settings.engine_step_timeout_ms / 1000 or None,
+        warmup_voices=_warmup_voices(state),
     )
     speech.start()
     state.speech = speech
@@ -285,7 +373,7 @@ async def _start_sip(state: GatewayState) -> Any:
     low, _, high = settings.rtp_ports.partition("-")
     config = UasConfig(local_ip=public_ip, local_port=int(port_text),
                        allow=[c.strip() for c in settings.sip_allow.split(",") if c.strip()],
-                       max_calls=settings.sip_max_calls, authenticator=authenticator,
+                       max_calls=settings.max_calls, authenticator=authenticator,
                        t1=settings.sip_t1_ms / 1000)
     endpoint = SipEndpoint(state, config, rtp_ports=range(int(low), int(high or low) + 1),
                            answer_delay_s=settings.sip_answer_delay_ms / 1000)

@@ -222,6 +222,11 @@ class Call:
     # --- state --------------------------------------------------------------------------------
 
     @property
+    def transport_name(self) -> str:
+        """``twilio`` or ``sip``: the label of this call's metrics."""
+        return self._transport_name
+
+    @property
     def speaking(self) -> bool:
         """True while an utterance is generating or not yet reported as played."""
         return self._current is not None and not self._current.done
@@ -394,9 +399,11 @@ class Call:
                 utterance.first_frame_at = time.monotonic()
                 if utterance.caller_turn:
                     if self._metrics is not None:
-                        self._metrics.first_audio.labels(self._transport_name).observe(
+                        source = "cached" if utterance.cached else "live"
+                        self._metrics.first_audio.labels(self._transport_name, source).observe(
                             utterance.first_frame_at - utterance.turn_started_at
                         )
+                        self._metrics.turns.labels(self._transport_name, source).inc()
                     log.info("call %s: %s first audio %.1f ms after the caller's turn",
                              self.call_id, utterance.id,
                              1000 * (utterance.first_frame_at - utterance.turn_started_at))

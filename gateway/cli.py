@@ -6,6 +6,7 @@ Tests call :func:`main` with an argv list instead of spawning a process.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,17 +36,10 @@ app.add_typer(voices_app, name="voices")
 
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # transformers/qwen-tts are chatty at INFO.
-    for noisy in (
-        "transformers", "httpx", "huggingface_hub", "faster_qwen3_tts", "qwen_tts", "sox"
-    ):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    from gateway.logs import setup_logging
+
+    setup_logging(level, "json" if fmt == "json" else "text")
 
 
 def _settings(**overrides: object) -> Settings:
@@ -86,7 +80,7 @@ def serve(
         host=host, port=port, model=model, device=device, public_url=public_url,
         insecure=True if insecure else None, script=script, sip=sip,
     )
-    _setup_logging(settings.log_level)
+    _setup_logging(settings.log_level, settings.log_format)
     settings.require_security()
     if settings.insecure:
         logging.getLogger("gateway").warning(
@@ -101,17 +95,25 @@ def serve(
             typer.echo(f"{diagnostic.file}:{diagnostic.line}:{diagnostic.column}: error: "
                        f"{diagnostic.message}", err=True)
         raise GatewayError(f"refusing to start: {settings.script} has errors") from None
+    from gateway.http_limits import server_limits
+    from gateway.logs import uvicorn_log_config
+    from gateway.server import DrainingServer
+
     config = uvicorn.Config(
         fastapi_app,
         host=settings.host,
         port=settings.port,
         ws_max_size=settings.ws_max_size,
         log_level=settings.log_level,
-        # Slow clients must not hold sockets forever; Twilio keeps its own connections alive.
-        timeout_keep_alive=15,
+        log_config=uvicorn_log_config(),
+        # Slow or idle clients must not hold sockets forever (header deadline and size cap,
+        # keep-alive timeout); request bodies are capped by the app's RequestLimits.
+        **server_limits(settings),
+        # After the drain, whatever is still connected gets this long to close.
+        timeout_graceful_shutdown=5,
         proxy_headers=True,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, fastapi_app.state.gateway)
     failure: list[str] = []
 
     def on_fatal(message: str) -> None:
@@ -122,6 +124,13 @@ def serve(
     server.run()
     if failure:
         raise GatewayError(failure[0])
+    # Calls are drained and the app has shut down: leave now. The interpreter's own teardown
+    # (a final garbage collection over the model's objects) takes seconds on a busy host, and
+    # an orchestrator counts those against its stop timeout.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @app.command()

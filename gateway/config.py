@@ -71,6 +71,12 @@ class Settings(BaseSettings):
     ahead_low_ms: int = Field(
         500, ge=0, description="A paused turn resumes once its lead is down to this."
     )
+    engine_step_timeout_ms: int = Field(
+        3000, ge=0, le=600000,
+        description="Watchdog: a turn whose engine step shows no progress for this long fails "
+        "(the call takes its error path) and its slot leaves rotation until the step returns; "
+        "0: off.",
+    )
     script: Path | None = Field(
         None,
         description="IVR script (YAML) to run for every call; unset: greet and read back keys.",
@@ -114,9 +120,6 @@ class Settings(BaseSettings):
         None, description="Digest users 'name:password,...'; set: every INVITE must authenticate."
     )
     sip_realm: str = Field("ivr-gateway", description="Digest authentication realm.")
-    sip_max_calls: int = Field(
-        16, ge=1, description="Concurrent SIP calls; more get 486 Busy Here."
-    )
     rtp_ports: str = Field("20000-20999", description="UDP port range for RTP (one per call).")
     sip_t1_ms: int = Field(
         500, ge=10, le=5000, description="SIP timer T1 (RFC 3261): retransmits start here."
@@ -150,14 +153,48 @@ class Settings(BaseSettings):
     ws_max_size: int = Field(
         1024 * 1024, ge=1024, description="WebSocket frame limit enforced by the server."
     )
+    max_request_bytes: int = Field(
+        64 * 1024, ge=1024,
+        description="Largest HTTP request body (the webhooks' forms); larger get 413 unread.",
+    )
+    http_request_timeout_s: float = Field(
+        10, gt=0, le=300,
+        description="A request's header section, and then its body, must arrive within this; "
+        "slower clients are disconnected (slowloris) or get 408.",
+    )
     twilio_max_lead_ms: int = Field(
         1000, ge=100, le=60000,
         description="Send audio to Twilio at most this far ahead of the caller's playback.",
     )
+    twilio_idle_timeout_s: float = Field(
+        10, ge=0, le=3600,
+        description="A Media Stream with no inbound message for this long is dead (Twilio sends "
+        "media every 20 ms) and its call is ended; 0: never.",
+    )
     frames_per_message: int = Field(
         50, ge=1, le=500, description="Max 20 ms frames batched into one outbound media message."
     )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    max_calls: int = Field(
+        16, ge=1, le=10000,
+        description="Concurrent calls this replica takes, both transports together; more get "
+        "the busy message (Twilio) or 486 Busy Here (SIP).",
+    )
+    drain_grace_s: float = Field(
+        110, ge=0, le=86400,
+        description="On SIGTERM: how long active calls may continue before they are hung up "
+        "and the process exits (ECS waits at most stopTimeout, 120 s, before SIGKILL).",
+    )
+    busy_message: str = Field(
+        "Sorry, all our lines are busy right now. Please call again in a few minutes.",
+        description="What a Twilio caller hears before hang-up when this replica is full or "
+        "draining.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text: one readable line per record; json: JSON lines with call_id."
+    )
 
     @field_validator("cache_dir", mode="before")
     @classmethod

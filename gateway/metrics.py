@@ -8,6 +8,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _LATENCY_BUCKETS = (0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10)
 
 
+def _cuda_memory(kind: str) -> float:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0.0
+    if kind == "allocated":
+        return float(torch.cuda.memory_allocated())
+    return float(torch.cuda.memory_reserved())
+
+
 class Metrics:
     """The gateway's metrics."""
 
@@ -26,13 +37,40 @@ class Metrics:
             ["transport", "reason"],
             registry=r,
         )
+        self.calls_inbound_timeouts = Counter(
+            "gateway_calls_inbound_timeouts_total",
+            "Calls ended because their stream went silent (peer gone without closing).",
+            ["transport"], registry=r,
+        )
         self.first_audio = Histogram(
             "gateway_first_audio_seconds",
-            "Caller's turn (answer, DTMF) to the first 20 ms frame sent.",
-            ["transport"],
+            "Caller's turn (answer, DTMF, speech) to the first 20 ms frame sent; source is "
+            "cached (a prompt from the cache) or live (generated for this turn).",
+            ["transport", "source"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.turns = Counter(
+            "gateway_turns_total", "Caller turns answered with audio.", ["transport", "source"],
+            registry=r,
+        )
+        self.calls_refused = Counter(
+            "gateway_calls_refused_total",
+            "Calls turned away: at capacity, draining, or not ready yet.",
+            ["transport", "reason"],
+            registry=r,
+        )
+        self.draining = Gauge(
+            "gateway_draining", "1 from SIGTERM until exit: no new calls are taken.", registry=r
+        )
+        self.gpu_memory = Gauge(
+            "gateway_gpu_memory_bytes", "CUDA memory of this process (torch allocator).",
+            ["kind"], registry=r,
+        )
+        # Read at scrape time; zero without CUDA. torch is imported lazily so a metrics-only
+        # process (tests, the load simulator) does not pay for it.
+        self.gpu_memory.labels("allocated").set_function(lambda: _cuda_memory("allocated"))
+        self.gpu_memory.labels("reserved").set_function(lambda: _cuda_memory("reserved"))
         self.barge_ins = Counter(
             "gateway_barge_ins_total", "Utterances stopped by the caller.", ["transport"],
             registry=r,
@@ -67,8 +105,15 @@ class Metrics:
             registry=r,
         )
         self.tts_slots_healthy = Gauge(
-            "gateway_tts_slots_healthy", "Engine slots in service (failed rebuilds retire one).",
+            "gateway_tts_slots_healthy",
+            "Engine slots in service (failed rebuilds retire one; a stuck step takes one out "
+            "until it returns).",
             registry=r,
+        )
+        self.tts_stuck_steps = Counter(
+            "gateway_tts_stuck_steps_total",
+            "Engine steps the watchdog gave up on (no progress for GATEWAY_ENGINE_STEP_TIMEOUT_MS):"
+            " an alarm.", registry=r,
         )
         self.prompt_cache_hits = Counter(
             "gateway_prompt_cache_hits_total", "Static prompts served from the cache.", registry=r

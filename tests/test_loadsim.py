@@ -27,7 +27,9 @@ from gateway.tts.qwen import QwenEngine
 @pytest.fixture(scope="module")
 def gateway(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[LiveServer]:
     with serve(
-        {"model": str(tiny_model_dir), "script": str(DEMO_SCRIPT), "cache_dir": str(demo_cache_dir)}
+        {"model": str(tiny_model_dir), "script": str(DEMO_SCRIPT), "cache_dir": str(demo_cache_dir),
+         # Sizing runs past the replica's call budget on purpose.
+         "max_calls": 500}
     ) as live:
         yield live
 

@@ -33,7 +33,7 @@ def sip_gateway(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[tuple[Li
                 "cache_dir": str(demo_cache_dir),
                 "sip": "127.0.0.1:0",
                 "sip_allow": "127.0.0.1/32",
-                "sip_max_calls": 32,
+                "max_calls": 32,
                 "sip_answer_delay_ms": 300,
                 "sip_t1_ms": 100,
                 "rtp_ports": "24000-24999",
@@ -178,8 +178,8 @@ def test_sipp_call_hung_up_by_the_gateway(
 def test_over_capacity_and_draining(sip_gateway: tuple[LiveServer, Any], tmp_path: Path) -> None:
     live, _ = sip_gateway
     endpoint = live.state.sip
-    config = endpoint.core.config
-    config.max_calls = 1
+    settings = live.state.settings
+    settings.max_calls = 1  # the replica's call budget; SIP's share follows it
     try:
         import threading
 
@@ -196,7 +196,7 @@ def test_over_capacity_and_draining(sip_gateway: tuple[LiveServer, Any], tmp_pat
         thread.join(30)
         assert holder["result"].ok, holder["result"].stdout[-3000:]
     finally:
-        config.max_calls = 32
+        settings.max_calls = 32
     _idle(live)
     live.state.draining = True
     try:

@@ -317,3 +317,35 @@ def test_refer_then_notify_reports_the_transfer() -> None:
     )
     effects = uas.receive(notify, PEER, 2.0)
     assert statuses(effects) == [200] and TransferDone(key, True, 200) in effects
+
+
+@pytest.mark.parametrize(
+    ("record_route", "uri", "routes"),
+    [
+        # No proxy: straight to the caller's Contact.
+        ("", "sip:tester@127.0.0.1:5062", []),
+        # Loose routers (Kamailio, every current proxy): Route set in order, target unchanged.
+        ("Record-Route: <sip:10.0.0.1;lr;ftag=x>, <sip:10.0.0.2:5070;lr>\r\n",
+         "sip:tester@127.0.0.1:5062", ["<sip:10.0.0.1;lr;ftag=x>", "<sip:10.0.0.2:5070;lr>"]),
+        # Two Record-Route rows read the same as one comma-joined row.
+        ("Record-Route: <sip:10.0.0.1;lr>\r\nRecord-Route: <sip:10.0.0.2;lr>\r\n",
+         "sip:tester@127.0.0.1:5062", ["<sip:10.0.0.1;lr>", "<sip:10.0.0.2;lr>"]),
+        # A strict router (RFC 2543): it becomes the Request-URI, the target the last Route.
+        ("Record-Route: <sip:10.0.0.1>\r\n",
+         "sip:10.0.0.1", ["<sip:tester@127.0.0.1:5062>"]),
+    ],
+)
+def test_in_dialog_requests_follow_the_record_route(
+    record_route: str, uri: str, routes: list[str]
+) -> None:
+    """RFC 3261 12.1.1/12.2.1.1: a call that came through a proxy is hung up through it."""
+    uas = core()
+    key, tag, effects = answered(uas, extra=record_route)
+    ok = sent(effects)[0]
+    assert isinstance(ok, SipResponse)
+    assert ok.headers.get_all("Record-Route") == routes if "lr" in record_route else True
+    uas.receive(in_dialog("ACK", tag, cseq=1), PEER, 0.1)
+    bye = sent(uas.hangup(key, 1.0))[0]
+    assert isinstance(bye, SipRequest) and bye.method == "BYE"
+    assert bye.uri == uri
+    assert bye.headers.get_all("Route") == routes

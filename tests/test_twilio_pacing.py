@@ -32,6 +32,9 @@ class _Socket:
     async def send_text(self, text: str) -> None:
         self.sent.append((time.monotonic(), json.loads(text)))
 
+    async def close(self, code: int = 1000) -> None:
+        self.application_state = WebSocketState.DISCONNECTED
+
 
 def _transport(max_lead_s: float) -> tuple[TwilioTransport, _Socket]:
     protocol = MediaStreamProtocol()
@@ -104,3 +107,19 @@ async def test_unknown_mark_names_are_ignored() -> None:
     await transport.send_frames([FRAME] * 25)
     transport.mark_played("never-sent")
     assert transport.lead_s() == pytest.approx(0.5, abs=0.03)
+
+
+async def test_outcomes_left_behind_by_other_replicas_are_bounded() -> None:
+    """/twilio/after-stream may reach another replica: its outcome must not stay forever."""
+    from gateway.call import HangUp
+    from gateway.twilio import session
+
+    outcomes = {f"CA{i:032d}": HangUp() for i in range(session.MAX_OUTCOMES)}
+    protocol = MediaStreamProtocol()
+    for name in ("connected", "start"):
+        protocol.receive((GOLDEN / f"{name}.json").read_text())
+    transport = TwilioTransport(_Socket(), protocol, outcomes)  # type: ignore[arg-type]
+    transport.call_sid = "CA" + "f" * 32
+    await transport.end(HangUp())
+    assert len(outcomes) == session.MAX_OUTCOMES
+    assert "CA" + "f" * 32 in outcomes and f"CA{0:032d}" not in outcomes

@@ -30,6 +30,7 @@ from gateway.call import (
     SpeechStarted,
     TransferTo,
 )
+from gateway.logs import call_context
 from gateway.sip.rtp import DtmfReceiver, RtpError, RtpPacket, RtpReceiverStats, RtpSender
 from gateway.sip.sdp import Answer
 from gateway.sip.uas import (
@@ -176,10 +177,7 @@ class SipMedia:
             if addr != self.remote:
                 self.stats.ignored_source += 1
                 return
-        elif addr[0] == self.answer.remote_rtp[0] or self.endpoint.accept_any_rtp_source:
-            self.remote = addr
-            self._latched = True
-        else:
+        elif not (addr[0] == self.answer.remote_rtp[0] or self.endpoint.accept_any_rtp_source):
             self.stats.ignored_source += 1
             return
         try:
@@ -187,6 +185,11 @@ class SipMedia:
         except RtpError:
             self.stats.malformed += 1
             return
+        if not self._latched:
+            # Latch on the first *valid* RTP packet only: garbage from another port of the
+            # caller's address must not steal the stream (and with it our outbound audio).
+            self.remote = addr
+            self._latched = True
         self.stats.received += 1
         call = self.call
         if packet.payload_type == self.answer.telephone_event_pt:
@@ -290,8 +293,10 @@ class SipEndpoint:
     # --- signalling ---------------------------------------------------------------------------
 
     def _on_sip(self, data: bytes, addr: tuple[str, int]) -> None:
-        # Not ready (loading, warming up) or draining: new INVITEs get 503 from the core.
+        # Not ready (loading, warming up) or draining: new INVITEs and OPTIONS get 503.
         self.core.draining = self.state.draining or not self.state.ready
+        # One call budget per replica: SIP gets what Twilio calls leave of GATEWAY_MAX_CALLS.
+        self.core.config.max_calls = self.state.sip_capacity() if self.state.ready else 0
         self._apply(self.core.receive(data, addr, time.monotonic()))
 
     async def _timers(self) -> None:
@@ -372,7 +377,9 @@ class SipEndpoint:
         log.info("sip call %s from %s answered with %s", call_id, event.caller,
                  answered.answer.codec)
         assert self.state.dialog is not None
-        self._spawn(self.state.run_dialog(call, self.state.dialog))
+        # The call's tasks (and the tasks they start) log with its id.
+        with call_context(call_id):
+            self._spawn(self.state.run_dialog(call, self.state.dialog))
 
     async def _bind_rtp(self) -> tuple[asyncio.DatagramTransport, _Udp, int]:
         loop = asyncio.get_running_loop()

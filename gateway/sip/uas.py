@@ -13,7 +13,8 @@ What it does, per RFC 3261 unless noted:
   again; responses to every request are cached per transaction for 64*T1 so retransmitted
   requests are absorbed (17.2).
 - CANCEL before the final response -> 200 to the CANCEL and 487 to the INVITE (9.2).
-- BYE -> 200 and the call ends (15.1.2); OPTIONS -> 200 (11.2, trunk keep-alives);
+- BYE -> 200 and the call ends (15.1.2); OPTIONS -> 200 (11.2, trunk keep-alives), 503 while
+  draining or not ready;
   re-INVITE (hold with a=sendonly/inactive, resume) -> 200 with a mirrored answer (RFC 3264 8);
   unknown methods -> 501; at capacity -> 486 (or 503 with Retry-After while draining);
   no common codec -> 488.
@@ -56,6 +57,11 @@ T2 = 4.0
 TIMEOUT = 64 * T1
 ALLOW = "INVITE, ACK, CANCEL, BYE, OPTIONS, REFER, NOTIFY"
 USER_AGENT = "qwen3-tts-ivr-gateway"
+#: Responses kept for absorbing retransmissions (17.2). Each lives 64*T1; a flood of requests
+#: with fresh branches (from an allowed or spoofed address) would otherwise grow the cache
+#: without bound, so past this many the oldest go first (a retransmission of an evicted one is
+#: handled again, which every path here tolerates).
+MAX_CACHED_RESPONSES = 4096
 
 Addr = tuple[str, int]
 
@@ -199,6 +205,26 @@ class Dialog:
     ok_cseq: int = 0
     #: Our in-dialog requests awaiting a final response: branch -> (method, retransmit).
     client: dict[str, tuple[str, _Retransmit]] = field(default_factory=dict)
+    #: The route set (RFC 3261 12.1.1): the INVITE's Record-Route values, in order. A SIP proxy
+    #: (Kamailio in front of several gateways) puts itself here so our BYE and REFER reach it.
+    route_set: list[str] = field(default_factory=list)
+
+
+def _route(dialog: Dialog) -> tuple[str, list[str]]:
+    """Request-URI and Route values of a request in ``dialog`` (RFC 3261 12.2.1.1)."""
+    routes = dialog.route_set
+    if not routes:
+        return dialog.remote_target, []
+    try:
+        first = parse_name_addr(routes[0])
+    except SipParseError:
+        return dialog.remote_target, list(routes)
+    uri_params = {p.split("=", 1)[0].strip().lower() for p in first.uri.split(";")[1:]}
+    if "lr" in uri_params:
+        # Loose routing (what every current proxy does): the target stays in the Request-URI.
+        return dialog.remote_target, list(routes)
+    # A strict router wants itself as the Request-URI and the target as the last Route.
+    return first.uri, [*routes[1:], f"<{dialog.remote_target}>"]
 
 
 class UasCore:
@@ -224,7 +250,8 @@ class UasCore:
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has work (None: nothing scheduled)."""
-        times = [r[0] for r in self._responses.values()]
+        # The cache is in expiry order (see _cache): its first entry expires first.
+        times = [next(iter(self._responses.values()))[0]] if self._responses else []
         for dialog in self.dialogs.values():
             if dialog.ok is not None:
                 times.append(dialog.ok.next_at)
@@ -264,9 +291,12 @@ class UasCore:
     def tick(self, now: float) -> list[Effect]:
         """Fire every timer due at ``now``."""
         effects: list[Effect] = []
-        for key, (expires, _, _) in list(self._responses.items()):
-            if expires <= now:
-                del self._responses[key]
+        responses = self._responses
+        while responses:
+            oldest = next(iter(responses))
+            if responses[oldest][0] > now:
+                break
+            del responses[oldest]
         for dialog in list(self.dialogs.values()):
             ok = dialog.ok
             if ok is not None:
@@ -364,13 +394,21 @@ class UasCore:
                 return self._on_reinvite(dialog, request, source, now)
             return self._on_invite(request, source, now)
         if method == "BYE":
-            assert dialog is not None
+            if dialog is None:
+                # A BYE without a To tag matches no dialog (15.1.2: 481); sipvicious-style
+                # scanners send exactly this.
+                return [self._reply(request, source, 481, now=now)]
             effects: list[Effect] = [self._reply(request, source, 200, now=now)]
             if dialog.state != "terminated":
                 dialog.ok = None
                 effects.append(self._end(dialog, "bye"))
             return effects
         if method == "OPTIONS":
+            if self.draining:
+                # A SIP proxy probing with OPTIONS (Kamailio's dispatcher) takes this replica
+                # out of rotation; calls already up are unaffected.
+                return [self._reply(request, source, 503, "Service Unavailable (draining)",
+                                    now=now, headers=[("Retry-After", "30")])]
             return [self._reply(request, source, 200, now=now, headers=[
                 ("Allow", ALLOW), ("Accept", "application/sdp")])]
         if method == "NOTIFY" and dialog is not None:
@@ -390,6 +428,20 @@ class UasCore:
                 challenge = auth.challenge_header(stale=result.stale)
                 return [self._reply(request, source, 401, now=now, cache=False,
                                     headers=[("WWW-Authenticate", challenge)])]
+        for dialog in self.dialogs.values():
+            if dialog.call_id != request.call_id:
+                continue
+            if _branch(dialog.invite) == _branch(request):
+                # A retransmission whose cached response was evicted: answer it again (17.2.1),
+                # never open a second call.
+                if dialog.ok is not None:
+                    return [SendTo(dialog.ok.data, source)]
+                if dialog.state == "proceeding":
+                    return [self._reply(request, source, 100, now=now)]
+                return [Dropped(f"retransmitted INVITE of ended call {request.call_id[:40]}")]
+            # Same Call-ID, a new transaction, no To tag: a merged or forged request (8.2.2.2).
+            # A second dialog under this key would orphan the first call's media and state.
+            return [self._reply(request, source, 482, now=now, to_tag=new_tag())]
         if self.draining:
             return [self._reply(request, source, 503, "Service Unavailable (draining)",
                                 now=now, headers=[("Retry-After", "30")])]
@@ -420,6 +472,7 @@ class UasCore:
             source=source,
             invite=request,
             remote_cseq=request.cseq[0],
+            route_set=request.headers.get_all("Record-Route"),
         )
         self.dialogs[dialog.key] = dialog
         codecs = tuple(
@@ -526,7 +579,7 @@ class UasCore:
         data = response.serialize()
         dialog.ok = _Retransmit(data, dialog.source, self.t1, now + self.t1, now + self.timeout)
         dialog.ok_cseq = request.cseq[0]
-        self._responses[(_branch(request), "INVITE")] = (now + self.timeout, data, dialog.source)
+        self._cache((_branch(request), "INVITE"), data, dialog.source, now)
         return SendTo(data, dialog.source)
 
     def _reply(self, request: SipRequest, source: Addr, status: int, reason: str | None = None,
@@ -538,24 +591,30 @@ class UasCore:
         response = response_to(request, status, reason, to_tag=to_tag if status > 100 else None,
                                headers=[*headers, ("User-Agent", USER_AGENT)])
         data = response.serialize()
-        if cache and status >= 200:
-            self._responses[(_branch(request), request.method)] = (now + self.timeout, data,
-                                                                         source)
-        elif cache and status < 200 and request.method == "INVITE":
-            self._responses[(_branch(request), request.method)] = (now + self.timeout, data,
-                                                                         source)
+        if cache and (status >= 200 or request.method == "INVITE"):
+            self._cache((_branch(request), request.method), data, source, now)
         return SendTo(data, source)
+
+    def _cache(self, key: tuple[str, str], data: bytes, addr: Addr, now: float) -> None:
+        # Re-inserting moves an entry to the end, so the dict stays in expiry order (every entry
+        # lives self.timeout): expiry and eviction both take from the front.
+        responses = self._responses
+        responses.pop(key, None)
+        responses[key] = (now + self.timeout, data, addr)
+        while len(responses) > MAX_CACHED_RESPONSES:
+            del responses[next(iter(responses))]
 
     def _send_in_dialog(self, dialog: Dialog, method: str, now: float,
                         headers: Sequence[tuple[str, str]] = ()) -> SendTo:
         dialog.local_cseq += 1
         branch = new_branch()
         from_header = f"<{dialog.local_uri}>;tag={dialog.local_tag}"
+        uri, routes = _route(dialog)
         request = build_request(
-            method, dialog.remote_target, call_id=dialog.call_id, from_=from_header,
+            method, uri, call_id=dialog.call_id, from_=from_header,
             to=dialog.remote_uri, cseq=dialog.local_cseq, via_host=self.config.local_ip,
             via_port=self.config.local_port, branch=branch, contact=self._contact(),
-            headers=[*headers, ("User-Agent", USER_AGENT)],
+            headers=[*(("Route", r) for r in routes), *headers, ("User-Agent", USER_AGENT)],
         )
         data = request.serialize()
         # Sent back to where the caller's signalling comes from (symmetric, NAT-safe).

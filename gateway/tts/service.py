@@ -19,8 +19,15 @@ Scheduling, in the order a caller would feel it:
   to the slot being free is recorded for every cancelled turn.
 - **Failure isolation.** An exception inside the engine (a bug, CUDA OOM) fails that turn only:
   its stream raises :class:`~gateway.errors.EngineError` (the call can answer with an apology
-  prompt), the slot is rebuilt (fresh caches and graphs), and if the rebuild fails the slot is
-  retired while the others carry on.
+  prompt), the slot is rebuilt (fresh caches and graphs) and warmed up again, and if that fails
+  the slot is retired while the others carry on.
+- **Watchdog.** A step that hangs (a deadlocked kernel, a wedged driver call) raises nothing.
+  With ``step_timeout_s`` set, a watchdog thread fails the turn of a slot that has shown no
+  progress (a codec frame polled, a chunk handed over) for that long: its stream raises
+  :class:`~gateway.errors.EngineError` like any engine failure, and the slot leaves rotation.
+  A Python thread cannot be killed, so the slot stays out until its step returns by itself;
+  then it is rebuilt and serves again (or is retired if the rebuild fails). Turns queued while
+  no healthy slot is left fail at once rather than wait for one.
 """
 
 from __future__ import annotations
@@ -33,16 +40,27 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from gateway.errors import EngineError
+from gateway.logs import call_context
 from gateway.metrics import Metrics
-from gateway.tts.engine import SAMPLE_RATE, Engine, SpeechRequest
+from gateway.tts.engine import SAMPLE_RATE, Engine, SpeechRequest, VoicePrompt
 
 log = logging.getLogger(__name__)
 
 _END = object()
+#: Per-turn stats lists keep at most twice this many entries (then the oldest half goes), so a
+#: gateway that runs for months does not grow them without bound.
+_STATS_KEEP = 4096
+
+
+def _append_bounded(entries: list[Any], value: Any) -> None:
+    entries.append(value)
+    if len(entries) > 2 * _STATS_KEEP:
+        del entries[:_STATS_KEEP]
 
 
 @dataclass
@@ -55,7 +73,10 @@ class ServiceStats:
     failed: int = 0
     pauses: int = 0
     slots_retired: int = 0
-    #: Seconds from ``cancel()`` to the slot being free, one entry per cancelled generation.
+    #: Steps the watchdog gave up on (the turn failed, the slot left rotation until it returned).
+    stuck_steps: int = 0
+    #: Seconds from ``cancel()`` to the slot being free, one entry per cancelled generation
+    #: (the most recent few thousand).
     cancel_to_free_s: list[float] = field(default_factory=list)
     #: Order in which turns got a slot (their ``tags["turn"]`` or text), for ordering tests.
     start_order: list[str] = field(default_factory=list)
@@ -95,11 +116,24 @@ class SpeechStream:
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._cancel = threading.Event()
         self._cancelled_at: float | None = None
+        # Set when the service gave up on this turn (watchdog, no healthy slot): its consumer
+        # has been handed an EngineError and the worker must stop as soon as it can.
+        self._abandoned = False
         self.finished = asyncio.Event()
 
     @property
     def cancelled(self) -> bool:
         return self._cancel.is_set()
+
+    @property
+    def abandoned(self) -> bool:
+        """True once the service failed this turn itself (a stuck step, no healthy slot)."""
+        return self._abandoned
+
+    @property
+    def stopping(self) -> bool:
+        """The worker must not produce more for this turn (cancelled or abandoned)."""
+        return self._abandoned or self._cancel.is_set()
 
     @property
     def waiting_for_first_audio(self) -> bool:
@@ -158,6 +192,14 @@ class SpeechStream:
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self._cancel.set()
 
+    def _abandon(self, error: EngineError) -> None:
+        """Fail the turn from outside its worker: the consumer gets ``error``."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        if not self._cancel.is_set():
+            self._put(error)
+
     def _finish(self) -> None:
         try:
             self._loop.call_soon_threadsafe(self.finished.set)
@@ -165,8 +207,28 @@ class SpeechStream:
             pass
 
 
+@dataclass(eq=False)
+class _Slot:
+    """One engine slot as its worker and the watchdog see it."""
+
+    index: int
+    engine: Engine
+    #: The turn it is generating (None while idle).
+    stream: SpeechStream | None = None
+    #: When the engine last showed progress (a codec frame polled, a chunk handed over); None
+    #: while idle or deliberately paused for an urgent turn, which the watchdog must not judge.
+    beat_at: float | None = None
+    #: From a watchdog trip until the stuck step returns: out of rotation, not counted healthy.
+    stuck: bool = False
+
+
 class SpeechService:
-    """Owns one GPU's engine slots, their worker threads and the queue in front of them."""
+    """Owns one GPU's engine slots, their worker threads and the queue in front of them.
+
+    ``step_timeout_s`` arms the watchdog (None: off): the longest an engine step may run
+    without progress before its turn fails and its slot leaves rotation. ``warmup_voices`` are
+    what a rebuilt slot warms up with before it takes turns again (the voices calls use).
+    """
 
     def __init__(
         self,
@@ -176,17 +238,23 @@ class SpeechService:
         first_audio_budget_s: float = 0.2,
         ahead_high_s: float = 1.0,
         ahead_low_s: float = 0.5,
+        step_timeout_s: float | None = None,
+        warmup_voices: Sequence[tuple[str, str] | VoicePrompt] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not engines:
             raise ValueError("at least one engine slot is required")
         if not 0 <= ahead_low_s <= ahead_high_s:
             raise ValueError("need 0 <= ahead_low_s <= ahead_high_s")
+        if step_timeout_s is not None and step_timeout_s <= 0:
+            raise ValueError("step_timeout_s must be positive (None turns the watchdog off)")
         self.engines = list(engines)
         self.metrics = metrics
         self.first_audio_budget_s = first_audio_budget_s
         self.ahead_high_s = ahead_high_s
         self.ahead_low_s = ahead_low_s
+        self.step_timeout_s = step_timeout_s
+        self.warmup_voices = list(warmup_voices)
         self.clock = clock
         self.stats = ServiceStats()
         self._heap: list[tuple[float, int, SpeechStream]] = []
@@ -196,6 +264,9 @@ class SpeechService:
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._healthy = len(self.engines)
+        self._slots = [_Slot(index, engine) for index, engine in enumerate(self.engines)]
+        self._watchdog: threading.Thread | None = None
+        self._watchdog_stop = threading.Event()
 
     # --- introspection ------------------------------------------------------------------------
 
@@ -210,22 +281,27 @@ class SpeechService:
 
     @property
     def queued(self) -> int:
-        return sum(1 for _, _, s in self._heap if not s.cancelled)
+        return sum(1 for _, _, s in self._heap if not s.stopping)
 
     @property
     def healthy_slots(self) -> int:
+        """Slots in rotation: not retired, and not stuck in a step the watchdog gave up on."""
         return self._healthy
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start one worker thread per engine slot."""
-        for index, engine in enumerate(self.engines):
+        """Start one worker thread per engine slot (and the watchdog, when armed)."""
+        for slot in self._slots:
             thread = threading.Thread(
-                target=self._worker, args=(index, engine), name=f"tts-slot-{index}", daemon=True
+                target=self._worker, args=(slot,), name=f"tts-slot-{slot.index}", daemon=True
             )
             thread.start()
             self._threads.append(thread)
+        if self.step_timeout_s is not None:
+            self._watchdog = threading.Thread(target=self._watch, name="tts-watchdog",
+                                              daemon=True)
+            self._watchdog.start()
         self._gauges()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -235,6 +311,11 @@ class SpeechService:
             for stream in list(self._running) + [s for _, _, s in self._heap]:
                 stream._cancel.set()
             self._cond.notify_all()
+        self._watchdog_stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout)
+            self._watchdog = None
+        # A worker stuck in a step does not come back for join(); it is a daemon thread.
         for thread in self._threads:
             thread.join(timeout)
         self._threads.clear()
@@ -251,14 +332,16 @@ class SpeechService:
             self.engine.validate(request)
         except ValueError as exc:
             raise EngineError(str(exc)) from None
-        if self._healthy == 0:
-            raise EngineError("no healthy TTS slot left on this gateway")
         now = self.clock()
         turn = turn_started_at if turn_started_at is not None else now
         stream = SpeechStream(
             request, asyncio.get_running_loop(), turn, turn + self.first_audio_budget_s, self.clock
         )
         with self._cond:
+            # Checked under the lock: a slot the watchdog takes out between the check and the
+            # push would otherwise leave this turn queued with nobody to serve it.
+            if self._healthy <= 0:
+                raise EngineError("no healthy TTS slot left on this gateway")
             heapq.heappush(self._heap, (stream.deadline, next(self._seq), stream))
             self._cond.notify()
         self._gauges()
@@ -266,76 +349,97 @@ class SpeechService:
 
     # --- the worker threads -------------------------------------------------------------------
 
-    def _next(self) -> SpeechStream | None:
+    def _next(self, slot: _Slot) -> SpeechStream | None:
         with self._cond:
             while True:
                 if self._stopping:
                     return None
                 while self._heap:
                     _, _, stream = heapq.heappop(self._heap)
-                    if stream.cancelled:
+                    if stream.stopping:
                         stream._finish()
                         continue
                     self._running.add(stream)
+                    slot.stream = stream
                     return stream
                 self._cond.wait()
 
-    def _worker(self, index: int, engine: Engine) -> None:
+    def _worker(self, slot: _Slot) -> None:
         while True:
-            stream = self._next()
+            stream = self._next(slot)
             if stream is None:
                 return
             self._gauges()
             ok = True
             try:
-                ok = self._run(engine, stream)
+                # The worker's log records carry the call this turn belongs to.
+                with call_context(str(stream.request.tags.get("call", ""))):
+                    ok = self._run(slot, stream)
             finally:
                 with self._cond:
                     self._running.discard(stream)
+                    slot.stream = None
                     stream.finished_at = self.clock()
                     self._cond.notify_all()
                 stream._finish()
                 self._gauges()
-            if not ok and not self._recover(index, engine):
+            if not ok and not self._recover(slot):
                 return
 
-    def _run(self, engine: Engine, stream: SpeechStream) -> bool:
-        """Generate one turn; False if the engine failed (the slot needs a rebuild)."""
+    def _run(self, slot: _Slot, stream: SpeechStream) -> bool:
+        """Generate one turn; False if the engine failed or got stuck (the slot needs a
+        rebuild)."""
+        engine = slot.engine
         stats = self.stats
         stats.started += 1
-        stats.start_order.append(stream.request.tags.get("turn", stream.request.text))
+        _append_bounded(stats.start_order, stream.request.tags.get("turn", stream.request.text))
         stream.started_at = self.clock()
         if self.metrics is not None:
             self.metrics.tts_queue_wait.observe(stream.started_at - stream.submitted_at)
         generator = None
+        # The first step includes the prefill: it is judged from here.
+        slot.beat_at = self.clock()
         try:
-            generator = engine.stream(stream.request, should_stop=lambda: self._poll(stream))
-            while not stream.cancelled:
-                self._yield_to_urgent(stream)
-                if stream.cancelled:
+            generator = engine.stream(stream.request,
+                                      should_stop=lambda: self._poll(slot, stream))
+            while not stream.stopping:
+                self._yield_to_urgent(slot, stream)
+                if stream.stopping:
                     break
                 chunk = next(generator, None)
-                if chunk is None or stream.cancelled:
+                slot.beat_at = self.clock()
+                if chunk is None or stream.stopping:
                     break
                 stream._record_chunk(len(chunk), self.clock())
                 stream._put(chunk)
         except Exception as exc:
-            stats.failed += 1
-            log.exception("generation failed for %r", stream.request.text[:60])
-            stream._put(exc)
-            if self.metrics is not None:
-                self.metrics.tts_failures.inc()
+            if stream.abandoned:
+                # The watchdog already failed this turn and counted it; the step it gave up on
+                # has now come back with an error.
+                log.warning("tts slot %d: the step the watchdog gave up on raised %r",
+                            slot.index, exc)
+            else:
+                stats.failed += 1
+                log.exception("generation failed for %r", stream.request.text[:60])
+                stream._put(exc)
+                if self.metrics is not None:
+                    self.metrics.tts_failures.inc()
             return False
         finally:
             if generator is not None:
                 generator.close()
+            slot.beat_at = None
+        if slot.stuck:
+            # The watchdog failed this turn while a step hung; the step is back now. Whatever
+            # state it left behind is suspect: rebuild before serving again.
+            return False
         if stream.gaps and self.metrics is not None:
             self.metrics.tts_underruns.inc(stream.gaps)
         if stream.cancelled:
             stats.cancelled += 1
             if stream._cancelled_at is not None:
                 freed = time.monotonic() - stream._cancelled_at
-                stats.cancel_to_free_s.append(freed)
+                _append_bounded(stats.cancel_to_free_s, freed)
                 if self.metrics is not None:
                     self.metrics.tts_cancel_to_free.observe(freed)
         else:
@@ -343,43 +447,129 @@ class SpeechService:
             stream._put(_END)
         return True
 
-    def _poll(self, stream: SpeechStream) -> bool:
+    def _poll(self, slot: _Slot, stream: SpeechStream) -> bool:
         """Called by the engine before every codec frame: pause if urgency says so, then say
         whether to stop. Pausing here (not only between chunks) lets an urgent turn in another
-        slot have the GPU within one frame."""
-        self._yield_to_urgent(stream)
-        return stream.cancelled
+        slot have the GPU within one frame. Each call is also a sign of progress."""
+        self._yield_to_urgent(slot, stream)
+        slot.beat_at = self.clock()
+        return stream.stopping
 
-    def _yield_to_urgent(self, stream: SpeechStream) -> None:
+    def _yield_to_urgent(self, slot: _Slot, stream: SpeechStream) -> None:
         """Pause a turn that is well ahead of playback while another waits for first audio."""
         if stream.audio_ahead(self.clock()) <= self.ahead_high_s:
             return
         paused = False
         with self._cond:
             while (
-                not stream.cancelled
+                not stream.stopping
                 and not self._stopping
                 and stream.audio_ahead(self.clock()) > self.ahead_low_s
-                and any(s is not stream and s.waiting_for_first_audio and not s.cancelled
+                and any(s is not stream and s.waiting_for_first_audio and not s.stopping
                         for s in self._running)
             ):
                 if not paused:
                     paused = True
                     self.stats.pauses += 1
+                    slot.beat_at = None  # waiting on purpose: not the watchdog's business
                 self._cond.wait(timeout=0.01)
+            if paused:
+                slot.beat_at = self.clock()
 
-    def _recover(self, index: int, engine: Engine) -> bool:
-        """Rebuild a slot after an engine failure; retire it if that fails too."""
+    def _recover(self, slot: _Slot) -> bool:
+        """Rebuild a slot after an engine failure or a stuck step; retire it if that fails."""
         try:
-            engine.rebuild()
-            log.warning("tts slot %d rebuilt after a failure", index)
-            return True
+            slot.engine.rebuild()
+            # A rebuilt slot pays its first-use costs on its next step (on a CPU the static
+            # caches are rebuilt lazily: ~3.5 s for the tiny model, longer than the watchdog's
+            # default): pay them here, before a caller's turn does.
+            slot.engine.warmup(self.warmup_voices)
         except Exception:
-            log.exception("tts slot %d could not be rebuilt; retiring it", index)
-            self.stats.slots_retired += 1
-            self._healthy -= 1
+            log.exception("tts slot %d could not be rebuilt; retiring it", slot.index)
+            with self._cond:
+                self.stats.slots_retired += 1
+                if not slot.stuck:  # a stuck slot was already taken out of the count
+                    self._healthy -= 1
+                slot.stuck = False
+                orphans = self._orphans()
+            self._fail_orphans(orphans)
             self._gauges()
             return False
+        with self._cond:
+            returned = slot.stuck
+            if returned:
+                slot.stuck = False
+                self._healthy += 1
+        if returned:
+            log.warning("tts slot %d: its stuck step returned; rebuilt and back in service",
+                        slot.index)
+        else:
+            log.warning("tts slot %d rebuilt after a failure", slot.index)
+        self._gauges()
+        return True
+
+    # --- the watchdog -------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Trip every slot whose current step has shown no progress for ``step_timeout_s``."""
+        timeout = self.step_timeout_s
+        assert timeout is not None
+        # Checked a few times per timeout: a trip lands at most a quarter late.
+        period = min(0.25, max(0.005, timeout / 4))
+        while not self._watchdog_stop.wait(period):
+            now = self.clock()
+            for slot in self._slots:
+                beat = slot.beat_at
+                if beat is not None and not slot.stuck and now - beat > timeout:
+                    self._trip(slot, now - beat)
+
+    def _trip(self, slot: _Slot, stalled_s: float) -> None:
+        with self._cond:
+            stream = slot.stream
+            if stream is None or slot.stuck or slot.beat_at is None:
+                return  # the step came back while we looked
+            slot.stuck = True
+            self._healthy -= 1
+            self.stats.stuck_steps += 1
+            listening = not stream.stopping
+            if listening:
+                self.stats.failed += 1
+            stream._abandon(EngineError(
+                f"TTS slot {slot.index} made no progress for {1000 * stalled_s:.0f} ms "
+                f"(limit {1000 * (self.step_timeout_s or 0):.0f} ms)"
+            ))
+            orphans = self._orphans()
+            self._cond.notify_all()
+        log.error(
+            "tts slot %d: no progress for %.0f ms on %r; turn failed, slot out of service "
+            "until the step returns (%d healthy left)", slot.index, 1000 * stalled_s,
+            stream.request.text[:60], self._healthy,
+        )
+        if self.metrics is not None:
+            self.metrics.tts_stuck_steps.inc()
+            if listening:
+                self.metrics.tts_failures.inc()
+        self._fail_orphans(orphans)
+        self._gauges()
+
+    def _orphans(self) -> list[SpeechStream]:
+        """With no healthy slot left, take every queued turn off the queue (hold the lock)."""
+        if self._healthy > 0 or not self._heap:
+            return []
+        orphans = [stream for _, _, stream in self._heap]
+        self._heap.clear()
+        return orphans
+
+    def _fail_orphans(self, orphans: list[SpeechStream]) -> None:
+        failed = 0
+        for stream in orphans:
+            if not stream.stopping:
+                failed += 1
+                stream._abandon(EngineError("no healthy TTS slot left on this gateway"))
+            stream._finish()
+        self.stats.failed += failed
+        if failed:
+            log.error("no healthy TTS slot left: failed %d queued turn(s)", failed)
 
     def _gauges(self) -> None:
         if self.metrics is None:

@@ -52,6 +52,17 @@ def build_router(state: GatewayState, dialog: Dialog) -> APIRouter:
             log.warning("POST /twilio/voice refused: bad X-Twilio-Signature from %s",
                         request.client.host if request.client else "?")
             return _forbidden()
+        call_sid = form.get("CallSid")
+        refused = state.admit_twilio(call_sid if isinstance(call_sid, str) else None)
+        if refused is not None:
+            # Full, draining or warming up: a short apology beats ringing into silence; Twilio
+            # then hangs up. The caller's next try lands on another replica.
+            state.metrics.calls_refused.labels("twilio", refused).inc()
+            log.warning("call %s refused: %s", call_sid, refused.replace("_", " "))
+            busy = VoiceResponse()
+            busy.say(state.settings.busy_message)
+            busy.hangup()
+            return _twiml(busy)
         base = checker.base_url(request)
         ws_base = "wss" + base[5:] if base.startswith("https") else "ws" + base[4:]
         response = VoiceResponse()
@@ -96,6 +107,7 @@ def build_router(state: GatewayState, dialog: Dialog) -> APIRouter:
             return
         if not state.ready:
             # Not warmed up yet: refuse rather than keep a caller in silence.
+            state.metrics.calls_refused.labels("twilio", "not_ready").inc()
             await websocket.close(code=1013)
             return
         await websocket.accept()

@@ -27,7 +27,8 @@ from gateway.call import (
     PlaybackDone,
     SpeechStarted,
 )
-from gateway.errors import CallProtocolError
+from gateway.errors import CallProtocolError, ProtocolViolation
+from gateway.logs import call_id_var
 from gateway.twilio.protocol import (
     Connected,
     Mark,
@@ -47,6 +48,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+
+#: Finished calls' outcomes kept for their <Connect action> request.
+MAX_OUTCOMES = 10_000
 
 
 class TwilioTransport:
@@ -83,7 +88,14 @@ class TwilioTransport:
     async def _write(self, text: str) -> None:
         async with self._lock:
             if self._ws.application_state is WebSocketState.CONNECTED:
-                await self._ws.send_text(text)
+                try:
+                    await self._ws.send_text(text)
+                except (WebSocketDisconnect, RuntimeError):
+                    # The server closed the socket under the call (uvicorn answers invalid
+                    # UTF-8 or an oversize frame itself; Starlette still says CONNECTED) or the
+                    # peer vanished. The receive loop ends the call; a late frame is dropped
+                    # rather than killing the utterance task with an unretrieved exception.
+                    return
                 self.messages_sent += 1
 
     def lead_s(self) -> float:
@@ -129,10 +141,18 @@ class TwilioTransport:
         # Closing the stream makes Twilio request the <Connect action> URL, which answers with
         # <Dial> or <Hangup/> from the outcome recorded here.
         if self.call_sid is not None:
-            self._outcomes[self.call_sid] = outcome
+            outcomes = self._outcomes
+            outcomes[self.call_sid] = outcome
+            # Read (and removed) by /twilio/after-stream, normally within a second. If that
+            # request lands on another replica it never comes here: keep the newest only.
+            while len(outcomes) > MAX_OUTCOMES:
+                del outcomes[next(iter(outcomes))]
         async with self._lock:
             if self._ws.application_state is WebSocketState.CONNECTED:
-                await self._ws.close(code=1000)
+                try:
+                    await self._ws.close(code=1000)
+                except (WebSocketDisconnect, RuntimeError):
+                    pass  # already closed under us (see _write)
 
 
 class TwilioSession:
@@ -157,9 +177,20 @@ class TwilioSession:
     async def run(self) -> None:
         """Pump until the stream stops, the socket closes or a message is rejected."""
         metrics = self.state.metrics
+        # Twilio sends caller audio every 20 ms for the whole stream. Silence this long means
+        # the peer vanished without closing (half-open TCP, a crashed proxy): nothing else would
+        # ever end this call or free what it holds. Ending it here cancels its generation.
+        idle_s = self.state.settings.twilio_idle_timeout_s or None
         try:
             while True:
-                message = await self.ws.receive()
+                try:
+                    async with asyncio.timeout(idle_s):
+                        message = await self.ws.receive()
+                except TimeoutError:
+                    metrics.calls_inbound_timeouts.labels("twilio").inc()
+                    log.warning("call %s: nothing received for %g s; the stream is dead, ending "
+                                "the call", self.label, idle_s)
+                    return
                 if message["type"] == "websocket.disconnect":
                     log.info("call %s: socket closed by peer (code %s)", self.label,
                              message.get("code"))
@@ -170,6 +201,10 @@ class TwilioSession:
                 event = self.protocol.receive(data)
                 if not await self._dispatch(event):
                     return
+                # ws.receive() does not suspend while frames are queued: without this a client
+                # bursting thousands of messages would hold the event loop (and every other
+                # call's audio) until its whole burst was processed.
+                await asyncio.sleep(0)
         except CallProtocolError as exc:
             metrics.calls_closed_by_error.labels("twilio", type(exc).__name__).inc()
             log.warning("call %s: closing stream: %s (close code %d)", self.label, exc.reason,
@@ -200,6 +235,18 @@ class TwilioSession:
                 call.deliver(PlaybackDone(event.mark.name))
             return True
         if isinstance(event, Start):
+            if event.start.callSid in self.state.calls:
+                # A second stream for a live call (a replayed or forged start): taking it would
+                # replace the first call in the call table and could steer its outcome.
+                raise ProtocolViolation(f"call {event.start.callSid} already has a stream")
+            refused = self.state.admit_stream(event.start.callSid)
+            if refused is not None:
+                # No webhook reservation and no room (or draining): this stream is not taken.
+                self.state.metrics.calls_refused.labels("twilio", refused).inc()
+                log.warning("call %s: stream refused: %s", event.start.callSid,
+                            refused.replace("_", " "))
+                await self._close(1013, f"try again later ({refused.replace('_', ' ')})")
+                return False
             self._start(event)
             return True
         if isinstance(event, Stop):
@@ -212,6 +259,8 @@ class TwilioSession:
         meta = event.start
         params = meta.customParameters
         self.transport.call_sid = meta.callSid
+        # From here on this task's records, and those of the tasks it starts, carry the call.
+        call_id_var.set(meta.callSid)
         self.call = self.state.open_call(
             meta.callSid, self.transport, "twilio",
             {"caller": params.get("From", ""), "called": params.get("To", "")},

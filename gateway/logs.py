@@ -1,0 +1,94 @@
+"""Logging set-up: readable lines or JSON lines, with the call id on every record of a call.
+
+The call id rides in a :class:`contextvars.ContextVar`. A call's tasks are created inside a
+context where it is set (:func:`call_context`), and asyncio copies the context into every task
+a task creates, so each log record of the call carries it, from any module, without passing
+ids around. Engine worker threads set it around each turn they generate.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+#: The call the current task or thread works for ("" outside any call).
+call_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("call_id", default="")
+
+#: Libraries that are chatty at INFO.
+_NOISY = ("transformers", "httpx", "huggingface_hub", "faster_qwen3_tts", "qwen_tts", "sox")
+
+
+class CallIdFilter(logging.Filter):
+    """Stamps ``record.call_id`` (and ``record.call_tag``, `` [id]`` or empty) on each record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        call_id = getattr(record, "call_id", None) or call_id_var.get()
+        record.call_id = call_id
+        record.call_tag = f" [{call_id}]" if call_id else ""
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: what log shippers (CloudWatch, Loki) index without parsing."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        call_id = getattr(record, "call_id", "")
+        if call_id:
+            entry["call_id"] = call_id
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(level: str, fmt: Literal["text", "json"] = "text") -> None:
+    """Configure the root logger once for the process (replacing earlier handlers)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(CallIdFilter())
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)-7s %(name)s%(call_tag)s: %(message)s")
+        )
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    for noisy in _NOISY:
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@contextmanager
+def call_context(call_id: str) -> Iterator[None]:
+    """Within the block (and in tasks created in it), log records carry ``call_id``."""
+    token = call_id_var.set(call_id)
+    try:
+        yield
+    finally:
+        call_id_var.reset(token)
+
+
+def uvicorn_log_config() -> dict[str, object]:
+    """uvicorn's loggers through the root handler (same format, JSON included)."""
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "loggers": {
+            name: {"handlers": [], "propagate": True}
+            for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
+        },
+    }

@@ -1,0 +1,62 @@
+"""The HTTP server process: uvicorn, with SIGTERM meaning "drain", not "drop every call".
+
+uvicorn's own SIGTERM handling stops accepting connections and closes the open WebSockets,
+which would cut every caller mid-sentence on each deploy. Here the first SIGTERM (or Ctrl-C)
+only starts a drain: ``/readyz`` turns 503 at once so the load balancer stops sending calls,
+new calls are refused (Twilio: a short apology; SIP: 503), and active calls go on until they
+end or ``GATEWAY_DRAIN_GRACE_S`` passes; then the server shuts down and the process exits 0.
+A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from types import FrameType
+
+import uvicorn
+
+from gateway.app import GatewayState
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """``uvicorn.Server`` whose exit signals drain the gateway first."""
+
+    def __init__(self, config: uvicorn.Config, state: GatewayState) -> None:
+        super().__init__(config)
+        self.gateway = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        #: When the drain started and ended (monotonic), for logs and tests.
+        self.drain_started_at: float | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in the signal handler (main thread, between two bytecodes of the event loop):
+        # only schedule work on the loop from here. Unlike uvicorn's handler, the signal is
+        # not re-raised after shutdown: a drained gateway exits 0.
+        if self._drain_task is not None or self._loop is None or self.should_exit:
+            log.warning("%s again: stopping now", signal.Signals(sig).name)
+            self.should_exit = True
+            self.force_exit = True
+            return
+        log.warning("%s: draining (again to stop at once)", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self.drain_started_at = asyncio.get_running_loop().time()
+            self._drain_task = asyncio.create_task(self._drain(), name="drain")
+
+    async def _drain(self) -> None:
+        try:
+            await self.gateway.drain()
+        finally:
+            self.should_exit = True
