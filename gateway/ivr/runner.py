@@ -12,6 +12,7 @@ stops it exactly like a DTMF barge-in; the digit is kept as type-ahead for the n
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -260,7 +261,11 @@ class IvrRunner:
         # A cacheable sentence rendered live (a cache miss) is stored once complete.
         pcm = utterance.captured_pcm()
         if pcm is not None and len(pcm):
-            self.ctx.cache.put(self.ctx.key(text), pcm)
+            key = self.ctx.key(text)
+            # The next caller plays it from memory at once; the disk write (and its fsync) runs
+            # off the event loop, so a slow or hung disk never stalls this replica's calls.
+            self.ctx.cache.remember(key, pcm)
+            asyncio.get_running_loop().run_in_executor(None, self.ctx.cache.put, key, pcm)
 
     async def _play_file(self, name: str, *, barge_in: bool) -> bool:
         pcm = self.ctx.sounds.get(name)
@@ -383,17 +388,20 @@ class IvrRunner:
         own = client is None
         client = client or httpx.AsyncClient()
         try:
-            response = await client.post(hook.url, json=body, timeout=hook.timeout)
-            if response.status_code >= 400:
-                raise _Failed(f"webhook {hook.url} answered {response.status_code}")
-            if len(response.content) > MAX_WEBHOOK_BYTES:
-                raise _Failed(f"webhook {hook.url} answered more than {MAX_WEBHOOK_BYTES} bytes")
-            data = response.json()
+            # httpx's timeout bounds each read, not the whole exchange: a backend trickling a
+            # byte a second would hold the call forever. The deadline covers everything, and
+            # the body is read in chunks only up to the limit (never buffered whole first).
+            async with asyncio.timeout(hook.timeout):
+                content = await _post_json(client, hook, body)
+            data = json.loads(content)
+        except TimeoutError:
+            raise _Failed(f"webhook {hook.url} timed out after {hook.timeout:g} s") from None
         except httpx.TimeoutException:
             raise _Failed(f"webhook {hook.url} timed out after {hook.timeout:g} s") from None
         except httpx.HTTPError as exc:
             raise _Failed(f"webhook {hook.url} failed: {exc}") from None
-        except ValueError:
+        except (ValueError, RecursionError):
+            # RecursionError: a few thousand nested brackets fit in MAX_WEBHOOK_BYTES.
             raise _Failed(f"webhook {hook.url} did not answer JSON") from None
         finally:
             if own:
@@ -405,6 +413,24 @@ class IvrRunner:
         # The turn that follows a webhook is measured from its answer.
         self._turn_at = time.monotonic()
         log.info("call %s: webhook %s set %s", self.call.call_id, name, sorted(merged))
+
+
+async def _post_json(client: httpx.AsyncClient, hook: Webhook, body: dict[str, Any]) -> bytes:
+    """POST ``body``; the answer's bytes, refused (:class:`_Failed`) past MAX_WEBHOOK_BYTES."""
+    async with client.stream("POST", hook.url, json=body, timeout=hook.timeout) as response:
+        if response.status_code >= 400:
+            raise _Failed(f"webhook {hook.url} answered {response.status_code}")
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > MAX_WEBHOOK_BYTES):
+            raise _Failed(f"webhook {hook.url} answered more than {MAX_WEBHOOK_BYTES} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > MAX_WEBHOOK_BYTES:
+                raise _Failed(f"webhook {hook.url} answered more than {MAX_WEBHOOK_BYTES} bytes")
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _merge_variables(data: dict[str, Any]) -> dict[str, str]:

@@ -55,6 +55,8 @@ from gateway.errors import GatewayError
 #: Longest sentence spoken as one utterance (~25 s of speech). Longer text should be split into
 #: several sentences so the caller can barge in between them and a failure loses less.
 MAX_SENTENCE_CHARS = 400
+#: Longest variable value inserted into a sentence (see :func:`render`).
+MAX_VALUE_CHARS = 200
 
 #: The published Qwen3-TTS CustomVoice speakers and languages (validation without a model).
 SPEAKERS = ("aiden", "dylan", "eric", "ono_anna", "ryan", "serena", "sohee", "uncle_fu", "vivian")
@@ -405,12 +407,14 @@ def template_variables(text: str) -> list[str]:
 
 
 def render(text: str, variables: dict[str, str]) -> str:
-    """Fill ``{name}`` placeholders. Values are inserted as plain text, never re-interpreted."""
+    """Fill ``{name}`` placeholders. Values are inserted as plain text, never re-interpreted,
+    and at most :data:`MAX_VALUE_CHARS` of each: a caller's ``From`` arrives from the transport
+    unchecked, and a sentence is generated live (an engine slot busy for its whole length)."""
     out = []
     for literal, field, _, _ in _FORMATTER.parse(text):
         out.append(literal)
         if field is not None:
-            out.append(str(variables.get(field, "")))
+            out.append(str(variables.get(field, ""))[:MAX_VALUE_CHARS])
     return "".join(out)
 
 
@@ -467,6 +471,11 @@ def parse_script(
                         f"column {context_mark.column + 1})")
         diagnostic = Diagnostic(label, where[0], where[1], f"YAML syntax: {problem}")
         raise ScriptError([diagnostic]) from None
+    except RecursionError:
+        # PyYAML composes and constructs recursively: a few hundred levels of [[[...]]] would
+        # otherwise escape as a traceback instead of a diagnostic.
+        raise ScriptError([Diagnostic(label, 1, 1, "YAML nested too deeply: a script is a few "
+                                                   "levels of mappings and lists")]) from None
     finally:
         loader.dispose()
     for pos, key, first in loader.duplicates:

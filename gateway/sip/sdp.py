@@ -11,6 +11,7 @@ response to send: 400 for a malformed description, 413 for one over the size/lin
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -387,6 +388,29 @@ def _telephone_event(media: MediaDescription, clock_rate: int) -> int | None:
     return None
 
 
+def _check_reachable(conn: Connection, local_ip: str) -> None:
+    """Refuse a media address RTP could never be sent to from ``local_ip``'s socket.
+
+    RFC 4566 5.7 allows a host name in ``c=``, but resolving one would block the pacer (or, on
+    uvloop, make every ``sendto`` raise) and a hostile offer could name any host; trunks and
+    PBXs send IP addresses. An address of the other IP version cannot be reached from the
+    call's RTP socket either.
+    """
+    try:
+        address = ipaddress.ip_address(conn.address)
+    except ValueError:
+        raise SdpError(488, f"c= address {conn.address[:60]!r} is not an IP address") from None
+    if ("IP6" if address.version == 6 else "IP4") != conn.addrtype:
+        raise SdpError(488, f"c= address {conn.address[:60]!r} is not {conn.addrtype}")
+    try:
+        local = ipaddress.ip_address(local_ip)
+    except ValueError:
+        return  # a host name we advertise ourselves: nothing to compare with
+    if local.version != address.version:
+        raise SdpError(488, f"c= address {conn.address[:60]!r} is IPv{address.version}; "
+                            f"our media is on IPv{local.version}")
+
+
 def negotiate(
     offer: SessionDescription,
     *,
@@ -403,7 +427,8 @@ def negotiate(
     holds a codec from ``codecs``; picks the offer's first such codec, echoes its
     telephone-event/8000 payload type (RFC 4733) with ``0-15``, mirrors the direction, and
     rejects every other m-line with port 0 while keeping it in place. Raises SdpError(488)
-    when no audio stream is acceptable, SdpError(400) when the chosen stream has no address.
+    when no audio stream is acceptable or its address is not an IP address of our IP version,
+    SdpError(400) when the chosen stream has no address.
     """
     chosen: tuple[int, MediaDescription, int, str] | None = None
     for index, media in enumerate(offer.media):
@@ -423,6 +448,7 @@ def negotiate(
     conn = media.connection
     if conn is None:
         raise SdpError(400, "the audio m-line has no c= line at session or media level")
+    _check_reachable(conn, local_ip)
     te_pt = _telephone_event(media, 8000)
 
     offered = media.direction

@@ -258,6 +258,10 @@ class MediaStreamProtocol:
                 raise ProtocolViolation(f"unsupported mediaFormat: {fmt.channels} channels")
             if not _SID_RE.match(meta.streamSid):
                 raise InvalidMessage("start.streamSid is not a Twilio SID")
+            if not _SID_RE.match(meta.callSid):
+                # The call SID keys the gateway's call table and every log line of the call: a
+                # 60 KB or multi-line value would forge log lines and bloat both.
+                raise InvalidMessage("start.callSid is not a Twilio SID")
             if message.streamSid and message.streamSid != meta.streamSid:
                 raise ProtocolViolation("start.streamSid and streamSid disagree")
             self.state = StreamState.STREAMING
