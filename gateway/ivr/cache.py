@@ -178,6 +178,10 @@ class PromptCache:
                       exc)
             self._write_failed()
 
+    def remember(self, key: PromptKey, pcm: npt.NDArray[np.int16]) -> None:
+        """Hold ``pcm`` in memory only (:meth:`put` also writes it to disk)."""
+        self._remember(key.digest(), np.ascontiguousarray(pcm, dtype=np.int16))
+
     def _remember(self, digest: str, pcm: npt.NDArray[np.int16]) -> None:
         with self._lock:
             old = self._memory.pop(digest, None)
