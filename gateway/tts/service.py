@@ -480,10 +480,6 @@ class SpeechService:
         """Rebuild a slot after an engine failure or a stuck step; retire it if that fails."""
         try:
             slot.engine.rebuild()
-            # A rebuilt slot pays its first-use costs on its next step (on a CPU the static
-            # caches are rebuilt lazily: ~3.5 s for the tiny model, longer than the watchdog's
-            # default): pay them here, before a caller's turn does.
-            slot.engine.warmup(self.warmup_voices)
         except Exception:
             log.exception("tts slot %d could not be rebuilt; retiring it", slot.index)
             with self._cond:
@@ -495,6 +491,14 @@ class SpeechService:
             self._fail_orphans(orphans)
             self._gauges()
             return False
+        try:
+            # A rebuilt slot pays its first-use costs on its next step (on a CPU the static
+            # caches are rebuilt lazily: ~3.5 s for the tiny model, longer than the watchdog's
+            # default): pay them here, before a caller's turn does. A failure here is not
+            # proof the slot is gone (the next turn will tell, and rebuild again).
+            slot.engine.warmup(self.warmup_voices)
+        except Exception as exc:
+            log.warning("tts slot %d: warm-up after the rebuild failed: %s", slot.index, exc)
         with self._cond:
             returned = slot.stuck
             if returned:
