@@ -113,9 +113,6 @@ class Baresip:
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.sip_port = free_port()
-        self.ctrl_port = free_port(socket.SOCK_STREAM)
-        self.rtp_low = 30000 + (self.sip_port % 200) * 10
         self.record_dir = self.workdir / "rec"
         self.record_dir.mkdir(parents=True, exist_ok=True)
         samples = (
@@ -124,6 +121,17 @@ class Baresip:
             else np.zeros(int(8000 * self.seconds_of_audio), dtype=np.int16)
         )
         sf.write(str(self.workdir / "mic.wav"), samples, 8000, subtype="PCM_16")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self._buffer = b""
+        self._configure()
+
+    def _configure(self) -> None:
+        """Pick fresh ports and write baresip's config. Ports are probed free, not reserved, so
+        another process can take one before baresip binds it: __enter__ then starts again."""
+        self.sip_port = free_port()
+        self.ctrl_port = free_port(socket.SOCK_STREAM)
+        self.rtp_low = 30000 + (self.sip_port % 200) * 10
         (self.workdir / "config").write_text(
             "\n".join(
                 [
@@ -150,28 +158,38 @@ class Baresip:
         (self.workdir / "accounts").write_text(
             "<sip:tester@127.0.0.1>;regint=0;answermode=auto;audio_codecs=pcmu;ptime=20\n"
         )
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.sock: socket.socket | None = None
-        self._buffer = b""
 
     def __enter__(self) -> Baresip:
         require("baresip")
-        self.proc = subprocess.Popen(
-            ["baresip", "-f", str(self.workdir)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.sock = socket.create_connection(("127.0.0.1", self.ctrl_port), timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "baresip did not open its control port"
-                time.sleep(0.05)
-        self.sock.settimeout(0.2)
-        return self
+        log_path = self.workdir / "baresip.log"
+        # A start that dies (a probed port taken in between) is retried on fresh ports; one that
+        # stays up but is slow (a loaded 2-core CI machine) gets a generous 30 s.
+        for attempt in range(3):
+            if attempt:
+                self._configure()
+            with open(log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    ["baresip", "-f", str(self.workdir)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            deadline = time.monotonic() + 30
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    self.sock = socket.create_connection(("127.0.0.1", self.ctrl_port), timeout=1)
+                except OSError:
+                    time.sleep(0.05)
+                    continue
+                self.sock.settimeout(0.2)
+                return self
+            if self.proc.poll() is None:
+                break  # alive but silent: retrying would not help
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+        raise AssertionError(f"baresip did not open its control port; its log ends:\n{tail}")
 
     def __exit__(self, *exc: object) -> None:
         try:

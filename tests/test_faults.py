@@ -529,7 +529,15 @@ async def test_an_unwritable_cache_directory_degrades_to_memory_with_an_alarm(
             await call.start()
             welcome = await _heard(live, call, "Thank you for calling Acme Energy.")
             assert not welcome.cached
-        await _wait(lambda: list(disk.glob("*/*.wav")), 10, "welcome stored on disk")
+        # Committed means the JSON that names the WAV is in place and no temp file is left: the
+        # WAV lands first, so a snapshot taken on the WAV alone can catch the JSON mid-write.
+        def committed() -> bool:
+            files = [p.name for p in disk.rglob("*") if p.is_file()]
+            return any(n.endswith(".json") for n in files) and not any(
+                n.endswith(".tmp") for n in files
+            )
+
+        await _wait(committed, 10, "welcome stored on disk")
         stored = sorted(p.name for p in disk.rglob("*") if p.is_file())
         assert _metric(live, errors) == 0.0
         # The directory becomes unwritable.
