@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Literal, TextIO
 
 #: The call the current task or thread works for ("" outside any call).
 call_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("call_id", default="")
@@ -53,9 +53,30 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, not when it was set up.
+
+    A handler that keeps the stream it was built with writes into a closed file once that
+    stream is swapped out and closed (a test runner's capture, an embedding application that
+    redirects stderr), and every later record becomes a "Logging error" traceback.
+    ``setStream`` still pins it to a given stream."""
+
+    def __init__(self) -> None:
+        self._pinned: TextIO | None = None
+        logging.Handler.__init__(self)  # not StreamHandler's: it would pin today's stderr
+
+    @property
+    def stream(self) -> TextIO:
+        return self._pinned if self._pinned is not None else sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        self._pinned = value
+
+
 def setup_logging(level: str, fmt: Literal["text", "json"] = "text") -> None:
     """Configure the root logger once for the process (replacing earlier handlers)."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.addFilter(CallIdFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

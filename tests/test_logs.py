@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -105,3 +106,27 @@ def test_text_format_tags_call_lines(capsys: pytest.CaptureFixture[str]) -> None
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
+
+
+def test_the_handler_follows_stderr_when_it_is_swapped_and_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Logging set up while stderr was a stream that is later closed (a CLI runner's capture)
+    keeps working: records go to the current stderr, and no "Logging error" is raised."""
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    first, second = io.StringIO(), io.StringIO()
+    try:
+        monkeypatch.setattr(sys, "stderr", first)
+        setup_logging("info", "text")
+        logging.getLogger("gateway.test").info("into the first")
+        first_text = first.getvalue()
+        first.close()
+        monkeypatch.setattr(sys, "stderr", second)
+        logging.getLogger("gateway.test").info("into the second")
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert "into the first" in first_text
+    assert "into the second" in second.getvalue()
+    assert "Logging error" not in second.getvalue()
