@@ -376,7 +376,8 @@ async def _start_sip(state: GatewayState) -> Any:
                        max_calls=settings.max_calls, authenticator=authenticator,
                        t1=settings.sip_t1_ms / 1000)
     endpoint = SipEndpoint(state, config, rtp_ports=range(int(low), int(high or low) + 1),
-                           answer_delay_s=settings.sip_answer_delay_ms / 1000)
+                           answer_delay_s=settings.sip_answer_delay_ms / 1000,
+                           rtp_timeout_s=settings.sip_rtp_timeout_s)
     await endpoint.start(host, int(port_text))
     return endpoint
 

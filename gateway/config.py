@@ -127,6 +127,12 @@ class Settings(BaseSettings):
     sip_answer_delay_ms: int = Field(
         0, ge=0, le=30000, description="Ring this long before answering (0: answer at once)."
     )
+    sip_rtp_timeout_s: float = Field(
+        60, ge=0, le=3600,
+        description="Hang up (BYE) a SIP call when no RTP has come from the caller for this "
+        "long, except while on hold: a lost BYE would otherwise hold a call slot forever. "
+        "0: never.",
+    )
     public_url: str | None = Field(
         None,
         description="Public https:// base URL Twilio reaches (behind the load balancer). "

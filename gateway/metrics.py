@@ -142,6 +142,11 @@ class Metrics:
             "SIP datagrams dropped without a response (malformed, stray, disallowed ACKs).",
             registry=r,
         )
+        self.sip_rtp_timeouts = Counter(
+            "gateway_sip_rtp_timeouts_total",
+            "SIP calls hung up because the caller's RTP stopped (a lost BYE, a dead phone).",
+            registry=r,
+        )
         self.speech_failures = Counter(
             "gateway_speech_failures_total", "Utterances a caller did not hear because TTS failed.",
             ["transport"], registry=r,

@@ -374,3 +374,69 @@ def test_loadsim_drives_sip_callers(sip_gateway: tuple[LiveServer, Any]) -> None
     answers = [t for c in level.calls for t in c.turns if t.kind == "answer"]
     assert all(t.first_audio_ms is not None for t in answers)
     _idle(live)
+
+
+# --- RTP inactivity: a caller whose media stops is gone, BYE or not ---------------------------
+
+RTP_TIMEOUT_S = 1.5
+
+
+def _rtp_timeouts(live: LiveServer) -> float:
+    value = live.state.metrics.registry.get_sample_value("gateway_sip_rtp_timeouts_total")
+    return value or 0.0
+
+
+def test_a_call_whose_rtp_never_comes_is_hung_up_after_the_rtp_timeout(
+    sip_gateway: tuple[LiveServer, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIPp sends no RTP at all (a phone that died after the ACK, a BYE lost on the way): the
+    gateway sends BYE once the timeout passes, and the call's slot is free again."""
+    live, _ = sip_gateway
+    endpoint = live.state.sip
+    monkeypatch.setattr(endpoint, "rtp_timeout_s", RTP_TIMEOUT_S)
+    before = _rtp_timeouts(live)
+    started = time.monotonic()
+    result = run_sipp("call_gateway_bye.xml", _target(live), workdir=tmp_path, timeout_s=30)
+    took = time.monotonic() - started
+    assert result.ok, result.stdout[-3000:]
+    print(f"\nno RTP: gateway BYE {took:.2f} s after the INVITE (timeout {RTP_TIMEOUT_S} s)")
+    assert RTP_TIMEOUT_S <= took < RTP_TIMEOUT_S + 8
+    assert _rtp_timeouts(live) == before + 1
+    _idle(live)
+
+
+def test_a_hold_longer_than_the_rtp_timeout_does_not_end_the_call(
+    sip_gateway: tuple[LiveServer, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On hold (a=sendonly) for 3 s with no RTP, twice the timeout: the call survives, resumes
+    with a fresh timer, and ends with the caller's own BYE (SIPp fails on a BYE from us)."""
+    live, _ = sip_gateway
+    monkeypatch.setattr(live.state.sip, "rtp_timeout_s", RTP_TIMEOUT_S)
+    before = _rtp_timeouts(live)
+    result = run_sipp("hold_long.xml", _target(live), workdir=tmp_path, timeout_s=30)
+    assert result.ok, result.stdout[-3000:]
+    assert _rtp_timeouts(live) == before
+    _idle(live)
+
+
+def test_a_caller_that_keeps_sending_rtp_outlives_the_rtp_timeout(
+    sip_gateway: tuple[LiveServer, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """baresip streams RTP every 20 ms: three timeouts later its call is still up."""
+    live, _ = sip_gateway
+    endpoint = live.state.sip
+    monkeypatch.setattr(endpoint, "rtp_timeout_s", RTP_TIMEOUT_S)
+    before = _rtp_timeouts(live)
+    host, port = _target(live)
+    with Baresip(tmp_path) as phone:
+        phone.dial(f"sip:ivr@{host}:{port}")
+        phone.wait_event("CALL_ESTABLISHED")
+        media = _wait(lambda: next(iter(endpoint.media.values()), None))
+        _wait(lambda: media.stats.received > 0, 10)
+        time.sleep(3 * RTP_TIMEOUT_S)
+        assert endpoint.media.get(media.key) is media and not media.timed_out
+        assert media.stats.received > 100
+        phone.hangup()
+        phone.wait_event("CALL_CLOSED", 15)
+    assert _rtp_timeouts(live) == before
+    _idle(live)

@@ -107,7 +107,22 @@ class SipMedia:
         self._latched = False
         self._queue: collections.deque[object] = collections.deque()
         self._pacer_task: asyncio.Task[None] | None = None
-        self.on_hold = answer.on_hold
+        self._on_hold = answer.on_hold
+        # When the caller's RTP last arrived (or the call began, or came off hold): a caller
+        # whose media stops for endpoint.rtp_timeout_s is gone, whether or not a BYE says so.
+        self.last_rx = time.monotonic()
+        self.timed_out = False
+
+    @property
+    def on_hold(self) -> bool:
+        """Held (a=sendonly/inactive from the caller): we send nothing, expect nothing."""
+        return self._on_hold
+
+    @on_hold.setter
+    def on_hold(self, value: bool) -> None:
+        if self._on_hold and not value:
+            self.last_rx = time.monotonic()  # the silence of the hold does not count
+        self._on_hold = value
 
     # --- CallTransport ------------------------------------------------------------------------
 
@@ -153,9 +168,21 @@ class SipMedia:
             frame = self._next_frame()
             if self.on_hold:
                 continue
+            self._check_inactivity(deadline)
             packet = self.sender.packet(frame if frame is not None else self._silence)
             self.sock.sendto(packet, self.remote)
             self.stats.sent += 1
+
+    def _check_inactivity(self, now: float) -> None:
+        """Checked on the pacer's 20 ms beat: no timer per packet, and none at all when held."""
+        limit = self.endpoint.rtp_timeout_s
+        if limit <= 0 or self.timed_out or now - self.last_rx < limit:
+            return
+        self.timed_out = True
+        log.warning("sip call %s: no RTP from the caller for %.1f s; hanging up", self.key[:24],
+                    now - self.last_rx)
+        self.endpoint.state.metrics.sip_rtp_timeouts.inc()
+        self.endpoint.hangup(self.key, "rtp timeout")
 
     def _next_frame(self) -> bytes | None:
         queue = self._queue
@@ -191,6 +218,7 @@ class SipMedia:
             self.remote = addr
             self._latched = True
         self.stats.received += 1
+        self.last_rx = time.monotonic()
         call = self.call
         if packet.payload_type == self.answer.telephone_event_pt:
             # Events share the audio's sequence space (loss accounting) but repeat their start
@@ -236,6 +264,7 @@ class SipEndpoint:
         rtp_ports: range = range(20000, 21000),
         answer_delay_s: float = 0.0,
         accept_any_rtp_source: bool = False,
+        rtp_timeout_s: float = 60.0,
     ) -> None:
         self.state = state
         self.core = UasCore(config)
@@ -243,6 +272,7 @@ class SipEndpoint:
         self.rtp_ports = rtp_ports
         self.answer_delay_s = answer_delay_s
         self.accept_any_rtp_source = accept_any_rtp_source
+        self.rtp_timeout_s = rtp_timeout_s
         self.media: dict[str, SipMedia] = {}
         self.calls: dict[str, Call] = {}
         self.dropped = 0
@@ -411,8 +441,8 @@ class SipEndpoint:
 
     # --- commands from calls ------------------------------------------------------------------
 
-    def hangup(self, key: str) -> None:
-        self._apply(self.core.hangup(key, time.monotonic()))
+    def hangup(self, key: str, reason: str = "local") -> None:
+        self._apply(self.core.hangup(key, time.monotonic(), reason))
 
     async def transfer(self, key: str, target: str) -> None:
         """REFER the caller to ``target``; hang up once it is accepted (or refused)."""

@@ -355,7 +355,7 @@ class UasCore:
                             to_tag=dialog.local_tag)
         return [reply, self._end(dialog, f"rejected-{status}")]
 
-    def hangup(self, key: str, now: float) -> list[Effect]:
+    def hangup(self, key: str, now: float, reason: str = "local") -> list[Effect]:
         """End a call from our side (BYE once answered; 487-style refusal before)."""
         dialog = self.dialogs.get(key)
         if dialog is None or dialog.state == "terminated":
@@ -363,7 +363,7 @@ class UasCore:
         if dialog.state == "proceeding":
             return self.reject(key, 480, now, "Temporarily Unavailable")
         dialog.ok = None
-        return [*self._send_bye(dialog, now), self._end(dialog, "local")]
+        return [*self._send_bye(dialog, now), self._end(dialog, reason)]
 
     def refer(self, key: str, target: str, now: float) -> list[Effect]:
         """Ask the caller's side to call ``target`` (RFC 3515); :class:`TransferDone` follows."""
