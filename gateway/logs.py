@@ -34,6 +34,24 @@ class CallIdFilter(logging.Filter):
         return True
 
 
+class PeerErrorFilter(logging.Filter):
+    """Turns uvicorn's traceback for a client's invalid UTF-8 frame into one warning line.
+
+    The client sent bad bytes; the server closed that socket with 1007 and is fine. uvicorn logs
+    it with ``logger.exception``, so every such frame (a fuzzer, a broken proxy) would put an
+    ERROR and a 6-line traceback in the log and page whoever alerts on errors."""
+
+    PEER_FAULTS = ("Invalid UTF-8 sequence received from client",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and str(record.msg).startswith(self.PEER_FAULTS):
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg = f"{record.msg} Closed that socket (1007)."
+        return True
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: what log shippers (CloudWatch, Loki) index without parsing."""
 
@@ -91,6 +109,9 @@ def setup_logging(level: str, fmt: Literal["text", "json"] = "text") -> None:
     root.setLevel(level.upper())
     for noisy in _NOISY:
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    uvicorn_errors = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, PeerErrorFilter) for f in uvicorn_errors.filters):
+        uvicorn_errors.addFilter(PeerErrorFilter())
 
 
 @contextmanager

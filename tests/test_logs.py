@@ -130,3 +130,20 @@ def test_the_handler_follows_stderr_when_it_is_swapped_and_closed(
     assert "into the first" in first_text
     assert "into the second" in second.getvalue()
     assert "Logging error" not in second.getvalue()
+
+
+def test_a_clients_invalid_utf8_is_one_warning_line_not_an_error_traceback(
+    captured: io.StringIO,
+) -> None:
+    """What uvicorn logs (logger.exception) when a client sends an invalid UTF-8 text frame."""
+    try:
+        b"\xff".decode()
+    except UnicodeDecodeError:
+        logging.getLogger("uvicorn.error").exception(
+            "Invalid UTF-8 sequence received from client."
+        )
+        logging.getLogger("uvicorn.error").exception("Something else broke.")
+    peer, other = _records(captured)
+    assert peer["level"] == "warning" and "exc" not in peer
+    assert "Closed that socket (1007)" in str(peer["msg"])
+    assert other["level"] == "error" and "UnicodeDecodeError" in str(other["exc"])
