@@ -464,9 +464,10 @@ async def test_a_caller_who_vanishes_mid_sentence_is_reaped_and_frees_the_slot(
     cancelled = speech.stats.cancelled
     inbound_timeouts = 'gateway_calls_inbound_timeouts_total{transport="twilio"}'
     timeouts = _metric(live, inbound_timeouts, default=0.0)
-    # 200 codec frames (16 s of speech, several seconds to generate on the CPU): still
-    # generating when the caller goes.
-    rig.arm(match=BALANCE, long_frames=200)
+    # 1,000 codec frames (80 s of speech; an idle core makes about 70 a second, so at least
+    # 14 s of generating): still generating when the caller goes and when the idle timeout
+    # reaps it. 200 frames finished within the 3 s timeout on an idle machine.
+    rig.arm(match=BALANCE, long_frames=1000)
     call = _new_call(live)
     # Another caller who keeps streaming stays connected all along (the reaper's negative).
     async with _new_call(live) as bystander:
