@@ -133,9 +133,14 @@ def test_the_handler_follows_stderr_when_it_is_swapped_and_closed(
 
 
 def test_a_clients_invalid_utf8_is_one_warning_line_not_an_error_traceback(
-    captured: io.StringIO,
+    captured: io.StringIO, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What uvicorn logs (logger.exception) when a client sends an invalid UTF-8 text frame."""
+    # As `gateway serve` runs uvicorn (uvicorn_log_config): its records reach the root handler. An
+    # in-process server started by another test may have installed uvicorn's own config.
+    for name in ("uvicorn", "uvicorn.error"):
+        monkeypatch.setattr(logging.getLogger(name), "propagate", True)
+        monkeypatch.setattr(logging.getLogger(name), "handlers", [])
     try:
         b"\xff".decode()
     except UnicodeDecodeError:
