@@ -160,27 +160,31 @@ class PromptCache:
 
     # --- stores -------------------------------------------------------------------------------
 
-    def put(self, key: PromptKey, pcm: npt.NDArray[np.int16], *, render_s: float = 0.0) -> None:
-        """Remember ``pcm`` for ``key`` in memory and (atomically) on disk."""
+    def put(self, key: PromptKey, pcm: npt.NDArray[np.int16], *, render_s: float = 0.0,
+            to_disk: bool = True) -> None:
+        """Remember ``pcm`` for ``key`` in memory and, unless ``to_disk`` is False (the caller
+        then runs :meth:`write` itself, off the event loop), atomically on disk."""
         pcm = np.ascontiguousarray(pcm, dtype=np.int16)
-        digest = key.digest()
-        self._remember(digest, pcm)
+        self._remember(key.digest(), pcm)
         self.stats.renders += 1
         self.stats.render_s += render_s
         if self.metrics is not None and render_s:
             self.metrics.prompt_render_seconds.observe(render_s)
+        if to_disk:
+            self.write(key, pcm)
+
+    def write(self, key: PromptKey, pcm: npt.NDArray[np.int16]) -> None:
+        """Store ``pcm`` for ``key`` on disk only (blocking: a write and an fsync). A failure
+        raises the write-error alarm; memory keeps serving the prompt."""
         if self.directory is None:
             return
+        digest = key.digest()
         try:
-            self._write(digest, key, pcm)
+            self._write(digest, key, np.ascontiguousarray(pcm, dtype=np.int16))
         except OSError as exc:
             log.error("prompt cache write failed for %s (%s); serving from memory", digest[:12],
                       exc)
             self._write_failed()
-
-    def remember(self, key: PromptKey, pcm: npt.NDArray[np.int16]) -> None:
-        """Hold ``pcm`` in memory only (:meth:`put` also writes it to disk)."""
-        self._remember(key.digest(), np.ascontiguousarray(pcm, dtype=np.int16))
 
     def _remember(self, digest: str, pcm: npt.NDArray[np.int16]) -> None:
         with self._lock:

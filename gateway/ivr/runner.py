@@ -264,8 +264,8 @@ class IvrRunner:
             key = self.ctx.key(text)
             # The next caller plays it from memory at once; the disk write (and its fsync) runs
             # off the event loop, so a slow or hung disk never stalls this replica's calls.
-            self.ctx.cache.remember(key, pcm)
-            asyncio.get_running_loop().run_in_executor(None, self.ctx.cache.put, key, pcm)
+            self.ctx.cache.put(key, pcm, to_disk=False)
+            asyncio.get_running_loop().run_in_executor(None, self.ctx.cache.write, key, pcm)
 
     async def _play_file(self, name: str, *, barge_in: bool) -> bool:
         pcm = self.ctx.sounds.get(name)
@@ -394,9 +394,7 @@ class IvrRunner:
             async with asyncio.timeout(hook.timeout):
                 content = await _post_json(client, hook, body)
             data = json.loads(content)
-        except TimeoutError:
-            raise _Failed(f"webhook {hook.url} timed out after {hook.timeout:g} s") from None
-        except httpx.TimeoutException:
+        except (TimeoutError, httpx.TimeoutException):
             raise _Failed(f"webhook {hook.url} timed out after {hook.timeout:g} s") from None
         except httpx.HTTPError as exc:
             raise _Failed(f"webhook {hook.url} failed: {exc}") from None
