@@ -39,7 +39,8 @@ class Metrics:
         )
         self.calls_inbound_timeouts = Counter(
             "gateway_calls_inbound_timeouts_total",
-            "Calls ended because their stream went silent (peer gone without closing).",
+            "Calls ended because their inbound media went silent (peer gone without closing: "
+            "a half-open WebSocket, a lost SIP BYE).",
             ["transport"], registry=r,
         )
         self.first_audio = Histogram(
@@ -140,11 +141,6 @@ class Metrics:
         self.sip_dropped = Counter(
             "gateway_sip_dropped_total",
             "SIP datagrams dropped without a response (malformed, stray, disallowed ACKs).",
-            registry=r,
-        )
-        self.sip_rtp_timeouts = Counter(
-            "gateway_sip_rtp_timeouts_total",
-            "SIP calls hung up because the caller's RTP stopped (a lost BYE, a dead phone).",
             registry=r,
         )
         self.speech_failures = Counter(

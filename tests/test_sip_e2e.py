@@ -382,7 +382,9 @@ RTP_TIMEOUT_S = 1.5
 
 
 def _rtp_timeouts(live: LiveServer) -> float:
-    value = live.state.metrics.registry.get_sample_value("gateway_sip_rtp_timeouts_total")
+    value = live.state.metrics.registry.get_sample_value(
+        "gateway_calls_inbound_timeouts_total", {"transport": "sip"}
+    )
     return value or 0.0
 
 

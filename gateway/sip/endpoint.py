@@ -181,7 +181,7 @@ class SipMedia:
         self.timed_out = True
         log.warning("sip call %s: no RTP from the caller for %.1f s; hanging up", self.key[:24],
                     now - self.last_rx)
-        self.endpoint.state.metrics.sip_rtp_timeouts.inc()
+        self.endpoint.state.metrics.calls_inbound_timeouts.labels("sip").inc()
         self.endpoint.hangup(self.key, "rtp timeout")
 
     def _next_frame(self) -> bytes | None:
@@ -218,12 +218,13 @@ class SipMedia:
             self.remote = addr
             self._latched = True
         self.stats.received += 1
-        self.last_rx = time.monotonic()
+        # One clock read per packet, shared by the inactivity timer, jitter and DTMF.
+        now = self.last_rx = time.monotonic()
         call = self.call
         if packet.payload_type == self.answer.telephone_event_pt:
             # Events share the audio's sequence space (loss accounting) but repeat their start
             # timestamp, so they take no part in the jitter estimate (RFC 4733 2.3).
-            self.rx.update(packet, time.monotonic(), update_jitter=False)
+            self.rx.update(packet, now, update_jitter=False)
             try:
                 digit = self.dtmf.feed(packet)
             except RtpError:
@@ -232,11 +233,11 @@ class SipMedia:
             if digit is not None:
                 self.stats.digits.append(digit)
                 if call is not None:
-                    call.deliver(Dtmf(digit, at=time.monotonic()))
+                    call.deliver(Dtmf(digit, at=now))
             return
         if packet.payload_type != self.answer.payload_type:
             return
-        self.rx.update(packet, time.monotonic())
+        self.rx.update(packet, now)
         if self.vad is not None and call is not None:
             payload = packet.payload if self.codec == "pcmu" else ulaw_encode(
                 alaw_decode(packet.payload))
