@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # First audio: tens of milliseconds on a GPU, seconds on a CPU; buckets span both.
@@ -9,8 +11,6 @@ _LATENCY_BUCKETS = (0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2
 
 
 def _cuda_memory(kind: str) -> float:
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return 0.0

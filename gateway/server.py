@@ -31,8 +31,6 @@ class DrainingServer(uvicorn.Server):
         self.gateway = state
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
-        #: When the drain started and ended (monotonic), for logs and tests.
-        self.drain_started_at: float | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -52,7 +50,6 @@ class DrainingServer(uvicorn.Server):
 
     def _start_drain(self) -> None:
         if self._drain_task is None:
-            self.drain_started_at = asyncio.get_running_loop().time()
             self._drain_task = asyncio.create_task(self._drain(), name="drain")
 
     async def _drain(self) -> None:
