@@ -12,9 +12,10 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import soundfile as sf
@@ -28,6 +29,22 @@ def require(tool: str) -> str:
         f"{tool} is not installed: apt-get install -y baresip-core sip-tester (.ci/run does)"
     )
     return path
+
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T | None], timeout: float = 20, what: str = "condition"
+               ) -> T:
+    """Poll ``predicate`` every 20 ms until it returns something truthy (returned) or
+    ``timeout`` seconds pass (AssertionError naming ``what``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def free_port(kind: int = socket.SOCK_DGRAM, host: str = "127.0.0.1") -> int:

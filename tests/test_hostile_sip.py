@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from conftest import DEMO_SCRIPT, LiveServer, serve
+from sip_peers import wait_until as _wait
 
 from gateway.sip import uas as uas_module
 from gateway.sip.message import SipParseError, SipResponse, parse_message
@@ -59,16 +60,6 @@ def _endpoint(live: LiveServer) -> Any:
     endpoint = live.state.sip
     assert endpoint is not None and endpoint.local_addr is not None
     return endpoint
-
-
-def _wait(predicate: Callable[[], Any], timeout: float = 15) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.02)
-    raise AssertionError("condition not met")
 
 
 def _idle(live: LiveServer) -> None:

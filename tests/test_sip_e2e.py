@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from conftest import DEMO_SCRIPT, LiveServer, backend, serve
 from sip_peers import Baresip, run_sipp
+from sip_peers import wait_until as _wait
 
 from gateway.call import HangUp, TransferTo
 
@@ -46,16 +47,6 @@ def _target(live: LiveServer) -> tuple[str, int]:
     endpoint = live.state.sip
     assert endpoint is not None and endpoint.local_addr is not None
     return endpoint.local_addr
-
-
-def _wait(predicate: Any, timeout: float = 20) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.02)
-    raise AssertionError("condition not met")
 
 
 def _idle(live: LiveServer) -> None:

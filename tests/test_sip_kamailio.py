@@ -27,29 +27,17 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
 from gateway_process import GatewayProcess
 from sip_peers import SippResult, free_port, run_sipp
+from sip_peers import wait_until as _wait
 
 pytestmark = pytest.mark.slow
 
 INFRA = Path(__file__).resolve().parent.parent / "infra" / "sip"
-T = TypeVar("T")
-
-
-def _wait(predicate: Callable[[], T | None], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def sip_options(port: int, timeout: float = 1.0) -> int | None:
     """One OPTIONS over UDP to 127.0.0.1:``port``: the final status code, None without one."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
