@@ -55,7 +55,15 @@ class Settings(BaseSettings):
         "re-decode 25 frames of left context each chunk (windowed, faster-qwen3-tts's way).",
     )
     trim_leading_silence: bool = Field(
-        True, description="Drop the silence before speech onset in each utterance's first chunk."
+        True, description="Drop the silence before speech onset of each utterance (phone path)."
+    )
+    normalize_level: bool = Field(
+        True,
+        description="Bring each utterance towards GATEWAY_LEVEL_TARGET_DBFS and limit its peaks "
+        "to -1 dBFS (look-ahead), so loud TTS never clips in G.711 (phone path).",
+    )
+    level_target_dbfs: float = Field(
+        -20.0, ge=-40, le=-6, description="Active-speech RMS level the phone path aims for."
     )
     max_seq_len: int | None = Field(
         None, ge=128, description="Talker static-cache length (default 2048 on CUDA, 1024 on CPU)."

@@ -63,6 +63,7 @@ from gateway.sip.uas import (
     Dropped,
     IncomingCall,
     MediaChanged,
+    Refused,
     SendTo,
     TransferDone,
     UasConfig,
@@ -444,7 +445,7 @@ def test_rtp_and_rfc4733_decoders_take_100k_hostile_packets() -> None:
 # --- the UAS core -----------------------------------------------------------------------------
 
 EFFECT_TYPES = (SendTo, IncomingCall, CallAnswered, CallConfirmed, MediaChanged, CallEnded,
-                TransferDone, Dropped)
+                TransferDone, Dropped, Refused)
 
 
 @dataclass
