@@ -20,7 +20,7 @@ import contextlib
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -197,17 +197,35 @@ class VirtualServer:
 
 
 @contextlib.contextmanager
+def virtual_loop() -> Iterator[Any]:
+    """A fresh :class:`virtual_time.VirtualTimeLoop` for the block (closed after)."""
+    from virtual_time import VirtualTimeLoop
+
+    loop = VirtualTimeLoop()
+    try:
+        yield loop
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+@contextlib.contextmanager
 def serve_virtual(settings_overrides: dict[str, object], engine_factory=None,  # type: ignore[no-untyped-def]
-                  *, peers: Callable[[], contextlib.AbstractAsyncContextManager[Any]] | None = None
-                  ) -> Iterator[VirtualServer]:
-    """Run a real gateway in a virtual-time loop until the block exits (ready on entry)."""
+                  *, loop: Any = None) -> Iterator[VirtualServer]:
+    """Run a real gateway in a virtual-time loop until the block exits (ready on entry).
+
+    ``loop``: a :func:`virtual_loop` that peers (a backend) already run in; default a new one.
+    """
+    if loop is None:
+        with virtual_loop() as own, serve_virtual(settings_overrides, engine_factory,
+                                                  loop=own) as live:
+            yield live
+        return
     import uvicorn
     from clocks import LoopClock
-    from virtual_time import VirtualTimeLoop
 
     from gateway.app import create_app
 
-    loop = VirtualTimeLoop()
     sock = _free_socket()
     port = sock.getsockname()[1]
     base_url = f"http://127.0.0.1:{port}"
@@ -236,10 +254,7 @@ def serve_virtual(settings_overrides: dict[str, object], engine_factory=None,  #
                             loop)
     finally:
         server.should_exit = True
-        with contextlib.suppress(Exception):
-            loop.run_until_complete(asyncio.wait_for(task, 60))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
+        loop.run_until_complete(task)
         sock.close()
 
 
@@ -314,22 +329,33 @@ def backend() -> Iterator[tuple[str, list[dict[str, Any]]]]:
         sock.close()
 
 
-@contextlib.asynccontextmanager
-async def backend_in_loop() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
-    """The same account service served in the running loop (virtual-time tests)."""
-    import uvicorn
+class LoopBackend:
+    """The same account service served inside an event loop (a virtual-time loop's peer)."""
 
-    seen: list[dict[str, Any]] = []
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    started = asyncio.Event()
-    server = _server(uvicorn.Config(_backend_app(seen), log_level="warning"), started.set,
-                     quiet=True)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    await started.wait()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", seen
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self.url = ""
+        self._task: asyncio.Task[None] | None = None
+        self._server: Any = None
+        self._sock: socket.socket | None = None
+
+    async def start(self) -> LoopBackend:
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        started = asyncio.Event()
+        self._server = _server(uvicorn.Config(_backend_app(self.seen), log_level="warning"),
+                               started.set, quiet=True)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        await started.wait()
+        self._sock = sock
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+        if self._sock is not None:
+            self._sock.close()

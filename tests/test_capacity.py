@@ -42,7 +42,7 @@ def _voice(live: LiveServer, call_sid: str) -> ET.Element:
 
 
 def _refused(live: LiveServer, reason: str) -> float:
-    return live.state.metrics.calls_refused.labels("twilio", reason)._value.get()
+    return live.gateway.metrics.calls_refused.labels("twilio", reason)._value.get()
 
 
 def _call(live: LiveServer, n: int) -> FakeTwilioCall:

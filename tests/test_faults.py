@@ -252,7 +252,7 @@ def _new_call(live: LiveServer) -> FakeTwilioCall:
 
 def _utterances(live: LiveServer, call: FakeTwilioCall) -> list[Utterance]:
     # The server's Call leaves state.calls when the call ends: remember it.
-    server_call = live.state.calls.get(call.call_sid) or _calls.get(call.call_sid)
+    server_call = live.gateway.registry.get(call.call_sid) or _calls.get(call.call_sid)
     if server_call is None:
         return []
     _calls[call.call_sid] = server_call
@@ -337,7 +337,7 @@ async def test_an_engine_failure_mid_sentence_plays_the_error_prompt_from_the_ca
     rig: Rig,
 ) -> None:
     live = rig.live
-    speech = live.state.speech_service
+    speech = live.gateway.speech_service
     failed, rebuilds = speech.stats.failed, sum(e.rebuilds for e in rig.engines)
     rig.arm(match=BALANCE, raise_after=2)
     async with _new_call(live) as call:
@@ -361,7 +361,7 @@ async def test_a_stuck_engine_step_fails_the_turn_and_the_other_slot_keeps_servi
     rig: Rig, block_after: int
 ) -> None:
     live = rig.live
-    speech = live.state.speech_service
+    speech = live.gateway.speech_service
     plan = rig.arm(match=BALANCE, block_after=block_after)
     try:
         async with _new_call(live) as stuck:
@@ -460,7 +460,7 @@ async def test_a_caller_who_vanishes_mid_sentence_is_reaped_and_frees_the_slot(
     rig: Rig, how: str
 ) -> None:
     live = rig.live
-    speech = live.state.speech_service
+    speech = live.gateway.speech_service
     cancelled = speech.stats.cancelled
     inbound_timeouts = 'gateway_calls_inbound_timeouts_total{transport="twilio"}'
     timeouts = _metric(live, inbound_timeouts, default=0.0)
@@ -479,7 +479,7 @@ async def test_a_caller_who_vanishes_mid_sentence_is_reaped_and_frees_the_slot(
         assert stream is not None and not balance.generated.is_set()
         gone_at = time.monotonic()
         _vanish(call, how)
-        await _wait(lambda: call.call_sid not in live.state.calls, IDLE_TIMEOUT_S + 10,
+        await _wait(lambda: call.call_sid not in live.gateway.registry, IDLE_TIMEOUT_S + 10,
                     "call reaped")
         reaped_s = time.monotonic() - gone_at
         await _wait(lambda: stream.finished_at is not None, 10, "slot freed")
@@ -500,7 +500,7 @@ async def test_a_caller_who_vanishes_mid_sentence_is_reaped_and_frees_the_slot(
         # for longer than the idle timeout too, but kept streaming, so it stays.
         if how == "silent":
             assert time.monotonic() - bystander.started_at > IDLE_TIMEOUT_S
-        assert bystander.call_sid in live.state.calls and not bystander.closed.is_set()
+        assert bystander.call_sid in live.gateway.registry and not bystander.closed.is_set()
     if call._ws is not None:
         call._ws.transport.abort()
     await _wait(lambda: speech.busy_slots == 0, 10, "slots idle")
@@ -562,7 +562,7 @@ async def test_an_unwritable_cache_directory_degrades_to_memory_with_an_alarm(
             ask = await _heard(live, call, "six digit account number")
             assert ask.cached
         assert sorted(p.name for p in disk.rglob("*") if p.is_file()) == stored
-        assert not live.state.calls
+        assert not live.gateway.registry
 
 
 # --- the watchdog, at the scheduler -----------------------------------------------------------

@@ -140,8 +140,9 @@ async def test_a_bad_stream_is_closed_alone_with_its_code_and_a_logged_reason(
     code, reason = CASES[case]
     async with _call(ivr_live) as healthy:
         await healthy.start()
-        server_call = await healthy.wait_for(lambda: ivr_live.state.calls.get(healthy.call_sid))
-        calls_before = len(ivr_live.state.calls)
+        registry = ivr_live.gateway.registry
+        server_call = await healthy.wait_for(lambda: registry.get(healthy.call_sid))
+        calls_before = len(ivr_live.gateway.registry)
         async with _call(ivr_live) as bad:
             await _misbehave(bad, case, healthy.call_sid)
             await bad.wait_for(lambda: bad.closed.is_set(), timeout=15)
@@ -156,9 +157,9 @@ async def test_a_bad_stream_is_closed_alone_with_its_code_and_a_logged_reason(
         assert any(reason in m for m in logged), logged[-5:]
         assert not errors, errors
         # The healthy call is the same call, still up, and the call table did not grow.
-        assert ivr_live.state.calls.get(healthy.call_sid) is server_call
+        assert ivr_live.gateway.registry.get(healthy.call_sid) is server_call
         assert not healthy.closed.is_set()
-        await healthy.wait_for(lambda: len(ivr_live.state.calls) <= calls_before, timeout=10)
+        await healthy.wait_for(lambda: len(ivr_live.gateway.registry) <= calls_before, timeout=10)
         await healthy.send_stop()
 
 

@@ -44,15 +44,16 @@ def sip_gateway(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[tuple[Li
 
 
 def _target(live: LiveServer) -> tuple[str, int]:
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     assert endpoint is not None and endpoint.local_addr is not None
     return endpoint.local_addr
 
 
 def _idle(live: LiveServer) -> None:
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     _wait(
-        lambda: not endpoint.media and not live.state.calls and endpoint.core.active_calls == 0,
+        lambda: not endpoint.media and not live.gateway.registry
+        and endpoint.core.active_calls == 0,
         timeout=15,
     )
 
@@ -65,7 +66,7 @@ def test_baresip_hears_the_greeting_routes_by_dtmf_and_the_call_state_is_gone(
     with Baresip(tmp_path) as phone:
         phone.dial(f"sip:ivr@{host}:{port}")
         phone.wait_event("CALL_ESTABLISHED")
-        call = _wait(lambda: next(iter(live.state.calls.values()), None))
+        call = _wait(lambda: next(iter(live.gateway.registry.values()), None))
         assert call.call_id.startswith("sip-")
         # The greeting, then the menu, come from the prompt cache.
         _wait(lambda: len(call.utterances) >= 2 and call.utterances[1].first_frame_at, 30)
@@ -103,16 +104,16 @@ def test_dtmf_barge_in_stops_the_outgoing_stream(
 ) -> None:
     live, _ = sip_gateway
     host, port = _target(live)
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     with Baresip(tmp_path) as phone:
         phone.dial(f"sip:ivr@{host}:{port}")
         phone.wait_event("CALL_ESTABLISHED")
-        call = _wait(lambda: next(iter(live.state.calls.values()), None))
+        call = _wait(lambda: next(iter(live.gateway.registry.values()), None))
         welcome = _wait(
             lambda: call.utterances and call.utterances[0].first_frame_at and call.utterances[0]
         )
         media = next(iter(endpoint.media.values()))
-        assert len(media._queue) > 50  # the greeting is queued for pacing
+        assert call.playout.buffered > 50  # the greeting is queued for pacing
         pressed = time.monotonic()
         phone.send_dtmf("2", gap_s=0)
         _wait(lambda: welcome.interrupted, 5)
@@ -148,7 +149,7 @@ def test_sipp_call_hung_up_by_the_gateway(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path
 ) -> None:
     live, _ = sip_gateway
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     import threading
 
     outcome: dict[str, Any] = {}
@@ -158,7 +159,7 @@ def test_sipp_call_hung_up_by_the_gateway(
 
     thread = threading.Thread(target=run)
     thread.start()
-    call = _wait(lambda: next(iter(live.state.calls.values()), None))
+    call = _wait(lambda: next(iter(live.gateway.registry.values()), None))
     _wait(lambda: call.utterances and call.utterances[0].first_frame_at)
     asyncio.run_coroutine_threadsafe(call.end(HangUp()), endpoint.loop).result(5)
     thread.join(30)
@@ -168,9 +169,9 @@ def test_sipp_call_hung_up_by_the_gateway(
 
 def test_over_capacity_and_draining(sip_gateway: tuple[LiveServer, Any], tmp_path: Path) -> None:
     live, _ = sip_gateway
-    endpoint = live.state.sip
-    settings = live.state.settings
-    settings.max_calls = 1  # the replica's call budget; SIP's share follows it
+    endpoint = live.gateway.sip
+    admission = live.gateway.admission
+    admission.max_calls = 1  # the replica's call budget, both transports together
     try:
         import threading
 
@@ -187,14 +188,14 @@ def test_over_capacity_and_draining(sip_gateway: tuple[LiveServer, Any], tmp_pat
         thread.join(30)
         assert holder["result"].ok, holder["result"].stdout[-3000:]
     finally:
-        settings.max_calls = 32
+        admission.max_calls = 32
     _idle(live)
-    live.state.draining = True
+    live.gateway.readiness.draining = True
     try:
         draining = run_sipp("draining.xml", _target(live), workdir=tmp_path)
         assert draining.ok, draining.stdout[-3000:]
     finally:
-        live.state.draining = False
+        live.gateway.readiness.draining = False
 
 
 def test_fifty_calls_at_ten_per_second(sip_gateway: tuple[LiveServer, Any], tmp_path: Path) -> None:
@@ -303,14 +304,14 @@ async def test_ivr_scenarios_behave_the_same_on_every_transport(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path, transport: str, name: str
 ) -> None:
     live, _ = sip_gateway
-    before = set(live.state.calls)
+    before = set(live.gateway.registry)
     caller: TwilioCaller | SipCaller = (
         TwilioCaller(live, 100 + len(name)) if transport == "twilio" else SipCaller(live, tmp_path)
     )
     await caller.start()
     try:
         call = await _await(
-            lambda: next((c for k, c in live.state.calls.items() if k not in before), None)
+            lambda: next((c for k, c in live.gateway.registry.items() if k not in before), None)
         )
         for step, arg in SCENARIOS[name]:
             if step == "hear":
@@ -373,7 +374,7 @@ RTP_TIMEOUT_S = 1.5
 
 
 def _rtp_timeouts(live: LiveServer) -> float:
-    value = live.state.metrics.registry.get_sample_value(
+    value = live.gateway.metrics.registry.get_sample_value(
         "gateway_calls_inbound_timeouts_total", {"transport": "sip"}
     )
     return value or 0.0
@@ -385,7 +386,7 @@ def test_a_call_whose_rtp_never_comes_is_hung_up_after_the_rtp_timeout(
     """SIPp sends no RTP at all (a phone that died after the ACK, a BYE lost on the way): the
     gateway sends BYE once the timeout passes, and the call's slot is free again."""
     live, _ = sip_gateway
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     monkeypatch.setattr(endpoint, "rtp_timeout_s", RTP_TIMEOUT_S)
     before = _rtp_timeouts(live)
     started = time.monotonic()
@@ -404,7 +405,7 @@ def test_a_hold_longer_than_the_rtp_timeout_does_not_end_the_call(
     """On hold (a=sendonly) for 3 s with no RTP, twice the timeout: the call survives, resumes
     with a fresh timer, and ends with the caller's own BYE (SIPp fails on a BYE from us)."""
     live, _ = sip_gateway
-    monkeypatch.setattr(live.state.sip, "rtp_timeout_s", RTP_TIMEOUT_S)
+    monkeypatch.setattr(live.gateway.sip, "rtp_timeout_s", RTP_TIMEOUT_S)
     before = _rtp_timeouts(live)
     result = run_sipp("hold_long.xml", _target(live), workdir=tmp_path, timeout_s=30)
     assert result.ok, result.stdout[-3000:]
@@ -417,7 +418,7 @@ def test_a_caller_that_keeps_sending_rtp_outlives_the_rtp_timeout(
 ) -> None:
     """baresip streams RTP every 20 ms: three timeouts later its call is still up."""
     live, _ = sip_gateway
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     monkeypatch.setattr(endpoint, "rtp_timeout_s", RTP_TIMEOUT_S)
     before = _rtp_timeouts(live)
     host, port = _target(live)

@@ -116,24 +116,24 @@ async def test_greeting_streams_whole_frames_then_a_mark_that_counts_as_played(
         name = marks[0].message["mark"]["name"]
         # Our client echoes the mark when its simulated playback finishes.
         await call.wait_for(lambda: name in call.marks_echoed, timeout=120)
-        server_call = live_gateway.state.calls[call.call_sid]
+        server_call = live_gateway.gateway.registry[call.call_sid]
         utterance = server_call.utterances[0]
         await call.wait_for(lambda: utterance.played.is_set(), timeout=10)
         assert utterance.first_audio_s is not None and utterance.frames_sent == sum(
             len(p) for p in payloads) // 160
         await call.send_stop()
         await call.wait_for(lambda: call.closed.is_set(), timeout=10)
-    assert call.call_sid not in live_gateway.state.calls
+    assert call.call_sid not in live_gateway.gateway.registry
 
 
 async def test_dtmf_during_speech_clears_and_stops_generation(live_gateway: LiveServer) -> None:
-    stats = live_gateway.state.speech_service.stats
+    stats = live_gateway.gateway.speech_service.stats
     cancelled_before = stats.cancelled
     async with FakeTwilioCall(live_gateway.ws_url, AUTH_TOKEN, call_sid="CA" + "b" * 32,
                               stream_sid="MZ" + "b" * 32) as call:
         await call.start()
         await call.wait_for(lambda: call.events("media"), timeout=60)
-        server_call = live_gateway.state.calls[call.call_sid]
+        server_call = live_gateway.gateway.registry[call.call_sid]
         greeting = server_call.utterances[0]
         assert not greeting.generated.is_set(), "greeting finished before the test could barge in"
         pressed_at = await call.send_dtmf("5")
@@ -179,14 +179,15 @@ async def test_malformed_message_closes_only_its_own_call(live_gateway: LiveServ
         assert "base64" in broken.close_reason
         # The server forgets the call right after its close frame (not necessarily before the
         # client has read it).
-        await broken.wait_for(lambda: broken.call_sid not in live_gateway.state.calls, timeout=5)
+        registry = live_gateway.gateway.registry
+        await broken.wait_for(lambda: broken.call_sid not in registry, timeout=5)
         # The healthy call keeps streaming audio and finishes its greeting.
         t_close = time.monotonic()
         await healthy.wait_for(lambda: len(healthy.events("media")) > before
                                and healthy.events("media")[-1].at > t_close, timeout=60)
         await healthy.wait_for(lambda: healthy.events("mark"), timeout=120)
         assert not healthy.closed.is_set()
-        assert live_gateway.state.calls[healthy.call_sid].utterances[0].generated.is_set()
+        assert live_gateway.gateway.registry[healthy.call_sid].utterances[0].generated.is_set()
 
 
 @pytest.mark.parametrize(
@@ -220,14 +221,14 @@ def test_health_and_readiness(live_gateway: LiveServer) -> None:
 async def test_hanging_up_mid_utterance_stops_its_generation(
     live_gateway: LiveServer, how: str
 ) -> None:
-    stats = live_gateway.state.speech_service.stats
+    stats = live_gateway.gateway.speech_service.stats
     cancelled_before = stats.cancelled
     call = FakeTwilioCall(live_gateway.ws_url, AUTH_TOKEN, call_sid="CA" + "f" * 32,
                           stream_sid="MZ" + "f" * 32)
     await call.connect()
     await call.start()
     await call.wait_for(lambda: call.events("media"), timeout=60)
-    greeting = live_gateway.state.calls[call.call_sid].utterances[0]
+    greeting = live_gateway.gateway.registry[call.call_sid].utterances[0]
     assert not greeting.generated.is_set()
     if how == "stop":
         await call.send_stop()
@@ -237,8 +238,8 @@ async def test_hanging_up_mid_utterance_stops_its_generation(
         await asyncio.sleep(0.02)
     assert stats.cancelled == cancelled_before + 1
     assert greeting.interrupted
-    assert call.call_sid not in live_gateway.state.calls
-    assert live_gateway.state.speech_service.busy_slots == 0
+    assert call.call_sid not in live_gateway.gateway.registry
+    assert live_gateway.gateway.speech_service.busy_slots == 0
 
 
 async def test_an_engine_failure_fails_the_turn_and_the_caller_hears_an_apology(
@@ -268,7 +269,7 @@ async def test_an_engine_failure_fails_the_turn_and_the_caller_hears_an_apology(
         async with FakeTwilioCall(live.ws_url, AUTH_TOKEN, call_sid="CA" + "9" * 32,
                                   stream_sid="MZ" + "9" * 32) as call:
             await call.start()
-            server_call = await call.wait_for(lambda: live.state.calls.get(call.call_sid))
+            server_call = await call.wait_for(lambda: live.gateway.registry.get(call.call_sid))
             apology = await call.wait_for(
                 lambda: len(server_call.utterances) > 1 and server_call.utterances[1], timeout=30)
             assert apology.text == APOLOGY
@@ -279,4 +280,4 @@ async def test_an_engine_failure_fails_the_turn_and_the_caller_hears_an_apology(
                 lambda: [r for r in call.events("mark") if r.message["mark"]["name"] == apology.id],
                 timeout=60)
             assert not call.closed.is_set()
-            assert live.state.speech_service.stats.failed == 1
+            assert live.gateway.speech_service.stats.failed == 1

@@ -114,7 +114,7 @@ async def test_an_echoed_mark_says_playback_is_further_along_than_the_clock(rig)
 
 
 async def test_a_late_mark_never_makes_the_lead_grow(rig) -> None:  # type: ignore[no-untyped-def]
-    clock, sink, _ = rig
+    clock, _sink, _ = rig
     playout = _playout(rig, max_lead_s=1.0)
     await playout.push([FRAME] * 5)  # 100 ms
     playout.mark("short")
@@ -127,7 +127,7 @@ async def test_a_late_mark_never_makes_the_lead_grow(rig) -> None:  # type: igno
 
 
 async def test_clear_empties_the_buffer_and_forgets_outstanding_marks(rig) -> None:  # type: ignore[no-untyped-def]
-    clock, sink, _ = rig
+    _clock, sink, _ = rig
     playout = _playout(rig, max_lead_s=1.0)
     await playout.push([FRAME] * 40)
     playout.mark("old")
@@ -156,7 +156,7 @@ async def test_a_barge_in_does_not_wait_for_the_room_the_cleared_audio_took(rig)
 
 
 async def test_unknown_mark_names_are_ignored(rig) -> None:  # type: ignore[no-untyped-def]
-    clock, sink, _ = rig
+    _clock, _sink, _ = rig
     playout = _playout(rig, max_lead_s=1.0)
     await playout.push([FRAME] * 25)
     await _settle()

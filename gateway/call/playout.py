@@ -299,11 +299,12 @@ class Playout:
                         await clock.wait_for(self._wake.wait(), due - now)
                 continue
             frames = self._take(min(room, policy.max_frames_per_send))
+            speaker = self._speaker
             if not frames:
                 if not policy.keepalive:
                     continue
                 frames = [self._silence]
-            speaker = self._speaker
+                speaker = None  # keep-alive silence is nobody's audio
             if not self.paused:
                 await self._sink.send_frames(frames)
             self._released += len(frames)

@@ -37,6 +37,9 @@ class CallRegistry:
     def get(self, call_id: str) -> Call | None:
         return self._calls.get(call_id)
 
+    def __getitem__(self, call_id: str) -> Call:
+        return self._calls[call_id]
+
     def count(self, transport: str | None = None) -> int:
         """Calls in progress, on one transport or all."""
         if transport is None:
