@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import sys
 import threading
@@ -194,6 +195,22 @@ class VirtualServer:
             return self.loop.run_until_complete(coroutine)  # type: ignore[no-any-return]
         finally:
             self.loop.realtime = False
+
+
+def on_virtual_time(server_fixture: str, *, realtime: bool = False
+                    ) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., T]]:
+    """Run an ``async def`` test in the loop of the :class:`VirtualServer` fixture named
+    ``server_fixture`` (its callers then share the gateway's virtual time)."""
+
+    def decorate(test: Callable[..., Awaitable[T]]) -> Callable[..., T]:
+        @functools.wraps(test)
+        def run(*args: Any, **kwargs: Any) -> T:
+            server: VirtualServer = kwargs[server_fixture]
+            return server.run(test(*args, **kwargs), realtime=realtime)
+
+        return run
+
+    return decorate
 
 
 @contextlib.contextmanager
