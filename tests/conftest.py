@@ -286,6 +286,24 @@ DEMO_SCRIPT = Path(__file__).resolve().parent.parent / "prompts" / "demo.yaml"
 
 
 @pytest.fixture(scope="session")
+def demo_virtual(tiny_model_dir: Path, demo_cache_dir: Path
+                 ) -> Iterator[tuple[VirtualServer, list[dict[str, Any]]]]:
+    """The demo IVR on virtual time (its backend in the same loop), shared by the modules that
+    call it over Twilio: one start-up for all of them. Yields the server and the requests the
+    backend saw."""
+    with virtual_loop() as loop:
+        backend = loop.run_until_complete(LoopBackend().start())
+        try:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("ACME_BACKEND_URL", backend.url)
+                with serve_virtual({"model": str(tiny_model_dir), "script": str(DEMO_SCRIPT),
+                                    "cache_dir": str(demo_cache_dir)}, loop=loop) as live:
+                    yield live, backend.seen
+        finally:
+            loop.run_until_complete(backend.stop())
+
+
+@pytest.fixture(scope="session")
 def demo_cache_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     """The demo script's static prompts rendered once per run into an on-disk cache, exactly as
     ``gateway prompts render`` does; servers and runner tests in this run start from it."""

@@ -27,11 +27,8 @@ from conftest import (
     AUTH_TOKEN,
     DEMO_SCRIPT,
     LiveServer,
-    LoopBackend,
     VirtualServer,
     serve,
-    serve_virtual,
-    virtual_loop,
 )
 from twilio.request_validator import RequestValidator
 from twilio_client import FakeTwilioCall
@@ -40,23 +37,8 @@ from gateway.call import Utterance
 
 
 @pytest.fixture(scope="module")
-def ivr(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[tuple[VirtualServer, list[Any]]]:
-    with virtual_loop() as loop:
-        backend = loop.run_until_complete(LoopBackend().start())
-        try:
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setenv("ACME_BACKEND_URL", backend.url)
-                with serve_virtual(
-                    {
-                        "model": str(tiny_model_dir),
-                        "script": str(DEMO_SCRIPT),
-                        "cache_dir": str(demo_cache_dir),
-                    },
-                    loop=loop,
-                ) as live:
-                    yield live, backend.seen
-        finally:
-            loop.run_until_complete(backend.stop())
+def ivr(demo_virtual: tuple[VirtualServer, list[Any]]) -> tuple[VirtualServer, list[Any]]:
+    return demo_virtual
 
 
 @pytest.fixture(scope="module")

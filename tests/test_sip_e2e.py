@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DEMO_SCRIPT, LiveServer, backend, serve
+from conftest import DEMO_SCRIPT, LiveServer, VirtualServer, backend, serve
 from sip_peers import Baresip, run_sipp
 from sip_peers import wait_until as _wait
 
@@ -246,7 +246,7 @@ SCENARIOS = {
 class TwilioCaller:
     """The scenario's caller over Twilio Media Streams (the test Twilio client)."""
 
-    def __init__(self, live: LiveServer, n: int) -> None:
+    def __init__(self, live: LiveServer | VirtualServer, n: int) -> None:
         from conftest import AUTH_TOKEN
         from twilio_client import FakeTwilioCall
 
@@ -266,7 +266,7 @@ class TwilioCaller:
     async def press(self, keys: str) -> None:
         for key in keys:
             await self.fake.send_dtmf(key)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the caller's finger, 50 ms a key
 
     async def ended(self) -> None:
         await self.fake.wait_for(lambda: self.fake.closed.is_set(), timeout=30)
@@ -300,18 +300,29 @@ class SipCaller:
 
 @pytest.mark.parametrize("transport", ["twilio", "sip"])
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-async def test_ivr_scenarios_behave_the_same_on_every_transport(
-    sip_gateway: tuple[LiveServer, Any], tmp_path: Path, transport: str, name: str
+def test_ivr_scenarios_behave_the_same_on_every_transport(
+    request: pytest.FixtureRequest, tmp_path: Path, transport: str, name: str
 ) -> None:
-    live, _ = sip_gateway
-    before = set(live.gateway.registry)
-    caller: TwilioCaller | SipCaller = (
-        TwilioCaller(live, 100 + len(name)) if transport == "twilio" else SipCaller(live, tmp_path)
-    )
+    """The same demo script and steps over each transport. Twilio runs on the demo gateway in
+    virtual time (its caller shares the gateway's loop); SIP on real time, because its caller
+    is baresip, a real phone in another process."""
+    if transport == "twilio":
+        virtual, _ = request.getfixturevalue("demo_virtual")
+        virtual.run(_scenario(virtual, TwilioCaller(virtual, 100 + len(name)), name))
+    else:
+        live, _ = request.getfixturevalue("sip_gateway")
+        asyncio.run(_scenario(live, SipCaller(live, tmp_path), name))
+        _idle(live)
+
+
+async def _scenario(live: LiveServer | VirtualServer, caller: TwilioCaller | SipCaller,
+                    name: str) -> None:
+    registry = live.gateway.registry
+    before = {call_id for call_id, _ in registry.items()}
     await caller.start()
     try:
         call = await _await(
-            lambda: next((c for k, c in live.gateway.registry.items() if k not in before), None)
+            lambda: next((c for k, c in registry.items() if k not in before), None)
         )
         for step, arg in SCENARIOS[name]:
             if step == "hear":
@@ -335,10 +346,11 @@ async def test_ivr_scenarios_behave_the_same_on_every_transport(
                 assert isinstance(call.outcome, expected), call.outcome
     finally:
         await caller.close()
-    _idle(live)
 
 
 async def _await(predicate: Any, timeout: float = 20) -> Any:
+    """Poll ``predicate`` every 20 ms of loop time until truthy; give up after ``timeout`` s of
+    real time."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         result = predicate()
