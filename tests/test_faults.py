@@ -562,7 +562,7 @@ async def test_an_unwritable_cache_directory_degrades_to_memory_with_an_alarm(
             ask = await _heard(live, call, "six digit account number")
             assert ask.cached
         assert sorted(p.name for p in disk.rglob("*") if p.is_file()) == stored
-        assert not live.gateway.registry
+        await _wait(lambda: not live.gateway.registry, 10, "the calls to end")
 
 
 # --- the watchdog, at the scheduler -----------------------------------------------------------

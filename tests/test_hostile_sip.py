@@ -331,6 +331,8 @@ def test_a_second_invite_with_a_live_call_id_is_refused_and_leaks_nothing(
         _, ok = caller.wait_for(lambda rs: final(rs, cid))
         assert ok.status == 200
         media = _wait(lambda: next(iter(endpoint.media.values()), None))
+        call = _wait(lambda: media.call)
+        playout = call.playout._task  # the call's RTP pacing
         # Same Call-ID and From tag, a new branch and CSeq, no To tag: not a retransmission.
         caller.send(request("INVITE", caller, target, cid, "d2", cseq=2, body=sdp(rtp.addr[1])),
                     target)
@@ -357,7 +359,7 @@ def test_a_second_invite_with_a_live_call_id_is_refused_and_leaks_nothing(
         caller.send(request("BYE", caller, target, cid, "d4", cseq=3, to_tag=tag), target)
         caller.wait_for(lambda rs: final(rs, cid, "BYE"))
         _idle(sip_live)
-        assert media._pacer_task is not None and media._pacer_task.done()
+        assert playout is not None and playout.done()
     finally:
         caller.close()
         rtp.close()
