@@ -43,7 +43,7 @@ except ImportError:  # not installed: run from a checkout
     from gateway.audio.g711 import ulaw_decode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from media_path import speech_like  # noqa: E402
+from media_path import speech_like
 
 FRAME = 160
 

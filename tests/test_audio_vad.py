@@ -335,5 +335,5 @@ def test_an_alaw_call_is_detected_like_a_mulaw_call(text: str) -> None:
 
 
 def test_an_unknown_codec_is_refused() -> None:
-    with pytest.raises(ValueError, match="G.711 codec"):
+    with pytest.raises(ValueError, match=r"G\.711 codec"):
         SpeechStartDetector(codec="opus")  # type: ignore[arg-type]

@@ -309,7 +309,7 @@ async def test_rtp_goes_out_one_frame_per_20_ms_with_silence_between(rtp) -> Non
 
 
 async def test_a_stalled_stream_re_anchors_instead_of_bursting(rtp) -> None:  # type: ignore[no-untyped-def]
-    clock, sink, playout, _ = rtp
+    clock, sink, _playout, _ = rtp
     await clock.advance(0.04)
     before = len(sink.frames)
     clock._now += 1.0  # the event loop stalled for a second

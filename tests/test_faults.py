@@ -37,7 +37,7 @@ import httpx
 import numpy as np
 import pytest
 import uvicorn
-from conftest import AUTH_TOKEN, DEMO_SCRIPT, LiveServer, serve
+from conftest import AUTH_TOKEN, DEMO_SCRIPT, LiveServer, _server, serve
 from fastapi import FastAPI
 from twilio.request_validator import RequestValidator
 from twilio_client import FakeTwilioCall
@@ -163,13 +163,11 @@ class Backend:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(self._app(), log_level="warning"))
+        started = threading.Event()
+        server = _server(uvicorn.Config(self._app(), log_level="warning"), started.set)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "backend did not start"
-            time.sleep(0.01)
+        assert started.wait(10), "backend did not start"
         self._server, self._thread, self._sock = server, thread, sock
 
     def down(self) -> None:
