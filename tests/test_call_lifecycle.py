@@ -399,3 +399,16 @@ async def test_transfer_and_hangup_outcomes_reach_the_transport(rig) -> None:  #
     await clock.advance(0)
     assert transport.outcome == TransferTo("+15555550100")
     assert "call-k1" not in lifecycle.registry
+
+
+async def test_a_dialog_that_speaks_after_the_hang_up_starts_nothing(rig) -> None:  # type: ignore[no-untyped-def]
+    """A stream that closes right after its ``start`` can end the call before its dialog ran
+    its first step: the greeting it then starts must not go on generating for nobody (it held
+    the only engine slot for minutes of virtual time in test_twilio_e2e)."""
+    clock, lifecycle, _, _ = rig
+    call, transport = _start(lifecycle, clock)
+    await lifecycle.finish(call, "stream ended")
+    opened: list[object] = []
+    late = call.speak("Hello.", lambda utterance: opened.append(utterance))  # type: ignore[arg-type,return-value]
+    assert late.done and late.task is None and not opened
+    assert late.generated.is_set() and not call.speaking

@@ -140,7 +140,8 @@ class CallLifecycle:
         """The call's wire side is over: stop everything it was doing and forget it."""
         if call.call_id not in self.registry or self.registry.get(call.call_id) is not call:
             return
-        call.deliver(Hangup(reason, at=self.clock.now()))
+        call.deliver(Hangup(reason, at=self.clock.now()))  # also marks the call ended: a
+        # dialog still running its last step can start nothing new from here on
         await call.close()
         task = self._dialog_tasks.pop(call.call_id, None)
         if task is not None and task is not asyncio.current_task() and not task.done():

@@ -310,8 +310,9 @@ class Call:
         utterance = self._new_utterance(text, turn_started_at)
         if capture:
             utterance.capture = []
-        utterance.task = asyncio.create_task(self._speak(utterance, open_stream),
-                                             name=f"say-{utterance.id}")
+        if not utterance.done:
+            utterance.task = asyncio.create_task(self._speak(utterance, open_stream),
+                                                 name=f"say-{utterance.id}")
         return utterance
 
     def play(
@@ -323,9 +324,10 @@ class Call:
         """
         utterance = self._new_utterance(label, turn_started_at)
         utterance.cached = True
-        utterance.task = asyncio.create_task(
-            self._play(utterance, pcm), name=f"play-{utterance.id}"
-        )
+        if not utterance.done:
+            utterance.task = asyncio.create_task(
+                self._play(utterance, pcm), name=f"play-{utterance.id}"
+            )
         return utterance
 
     def _new_utterance(self, text: str, turn_started_at: float | None) -> Utterance:
@@ -340,6 +342,11 @@ class Call:
         )
         self._current = utterance
         self.utterances.append(utterance)
+        if self.ended:
+            # The call is over (a dialog still running its last step): nothing is generated or
+            # sent, and the utterance is already done, never left generating for nobody.
+            utterance.interrupted = True
+            utterance.generated.set()
         return utterance
 
     def _first_frame(self, utterance: Utterance) -> None:
