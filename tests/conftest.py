@@ -286,6 +286,31 @@ DEMO_SCRIPT = Path(__file__).resolve().parent.parent / "prompts" / "demo.yaml"
 
 
 @pytest.fixture(scope="session")
+def demo_realtime(tiny_model_dir: Path, demo_cache_dir: Path
+                  ) -> Iterator[tuple[LiveServer, list[dict[str, Any]]]]:
+    """The demo IVR on real time, Twilio and SIP (its backend in a thread): for real peers
+    (baresip, SIPp) and for latency that must be measured on the real clock. SIP on an
+    ephemeral UDP port of 127.0.0.1 (allow-list 127.0.0.1/32), a 300 ms ring before answering,
+    T1 = 100 ms."""
+    with backend() as (url, seen), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ACME_BACKEND_URL", url)
+        with serve(
+            {
+                "model": str(tiny_model_dir),
+                "script": str(DEMO_SCRIPT),
+                "cache_dir": str(demo_cache_dir),
+                "sip": "127.0.0.1:0",
+                "sip_allow": "127.0.0.1/32",
+                "max_calls": 32,
+                "sip_answer_delay_ms": 300,
+                "sip_t1_ms": 100,
+                "rtp_ports": "24000-24999",
+            }
+        ) as live:
+            yield live, seen
+
+
+@pytest.fixture(scope="session")
 def demo_virtual(tiny_model_dir: Path, demo_cache_dir: Path
                  ) -> Iterator[tuple[VirtualServer, list[dict[str, Any]]]]:
     """The demo IVR on virtual time (its backend in the same loop), shared by the modules that

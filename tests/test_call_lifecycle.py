@@ -406,7 +406,7 @@ async def test_a_dialog_that_speaks_after_the_hang_up_starts_nothing(rig) -> Non
     its first step: the greeting it then starts must not go on generating for nobody (it held
     the only engine slot for minutes of virtual time in test_twilio_e2e)."""
     clock, lifecycle, _, _ = rig
-    call, transport = _start(lifecycle, clock)
+    call, _transport = _start(lifecycle, clock)
     await lifecycle.finish(call, "stream ended")
     opened: list[object] = []
     late = call.speak("Hello.", lambda utterance: opened.append(utterance))  # type: ignore[arg-type,return-value]

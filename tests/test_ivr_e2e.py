@@ -16,20 +16,12 @@ import asyncio
 import base64
 import statistics
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from conftest import (
-    AUTH_TOKEN,
-    DEMO_SCRIPT,
-    LiveServer,
-    VirtualServer,
-    serve,
-)
+from conftest import AUTH_TOKEN, LiveServer, VirtualServer
 from twilio.request_validator import RequestValidator
 from twilio_client import FakeTwilioCall
 
@@ -42,10 +34,8 @@ def ivr(demo_virtual: tuple[VirtualServer, list[Any]]) -> tuple[VirtualServer, l
 
 
 @pytest.fixture(scope="module")
-def ivr_realtime(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[LiveServer]:
-    with serve({"model": str(tiny_model_dir), "script": str(DEMO_SCRIPT),
-                "cache_dir": str(demo_cache_dir)}) as live:
-        yield live
+def ivr_realtime(demo_realtime: tuple[LiveServer, list[Any]]) -> LiveServer:
+    return demo_realtime[0]
 
 
 def _call(live: LiveServer | VirtualServer, n: int) -> FakeTwilioCall:

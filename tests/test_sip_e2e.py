@@ -1,22 +1,21 @@
 """The SIP endpoint with real peers on loopback: baresip and SIPp against a real gateway.
 
-The gateway runs the demo IVR with the tiny model on CPU; its SIP endpoint listens on an
-ephemeral UDP port of 127.0.0.1 with an allow-list of 127.0.0.1/32, a 300 ms ring before
-answering (so a CANCEL can arrive first), and T1 = 100 ms (so the no-ACK case ends in 6.4 s;
-the RFC 3261 default timings are tested in virtual time in test_sip_uas.py).
+The gateway (``conftest.demo_realtime``) runs the demo IVR with the tiny model on CPU; its SIP
+endpoint listens on an ephemeral UDP port of 127.0.0.1 with an allow-list of 127.0.0.1/32, a
+300 ms ring before answering (so a CANCEL can arrive first), and T1 = 100 ms (so the no-ACK case
+ends in 6.4 s; the RFC 3261 default timings are tested in virtual time in test_sip_uas.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DEMO_SCRIPT, LiveServer, VirtualServer, backend, serve
+from conftest import LiveServer, VirtualServer
 from sip_peers import Baresip, run_sipp
 from sip_peers import wait_until as _wait
 
@@ -24,23 +23,8 @@ from gateway.call import HangUp, TransferTo
 
 
 @pytest.fixture(scope="module")
-def sip_gateway(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[tuple[LiveServer, Any]]:
-    with backend() as (url, seen), pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ACME_BACKEND_URL", url)
-        with serve(
-            {
-                "model": str(tiny_model_dir),
-                "script": str(DEMO_SCRIPT),
-                "cache_dir": str(demo_cache_dir),
-                "sip": "127.0.0.1:0",
-                "sip_allow": "127.0.0.1/32",
-                "max_calls": 32,
-                "sip_answer_delay_ms": 300,
-                "sip_t1_ms": 100,
-                "rtp_ports": "24000-24999",
-            }
-        ) as live:
-            yield live, seen
+def sip_gateway(demo_realtime: tuple[LiveServer, Any]) -> tuple[LiveServer, Any]:
+    return demo_realtime
 
 
 def _target(live: LiveServer) -> tuple[str, int]:
