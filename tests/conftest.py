@@ -313,16 +313,18 @@ def demo_realtime(tiny_model_dir: Path, demo_cache_dir: Path
 @pytest.fixture(scope="session")
 def demo_virtual(tiny_model_dir: Path, demo_cache_dir: Path
                  ) -> Iterator[tuple[VirtualServer, list[dict[str, Any]]]]:
-    """The demo IVR on virtual time (its backend in the same loop), shared by the modules that
-    call it over Twilio: one start-up for all of them. Yields the server and the requests the
-    backend saw."""
+    """The demo IVR on virtual time, Twilio and SIP (its backend in the same loop), shared by
+    the modules whose callers run in its loop: one start-up for all of them. Yields the server
+    and the requests the backend saw."""
     with virtual_loop() as loop:
         backend = loop.run_until_complete(LoopBackend().start())
         try:
             with pytest.MonkeyPatch.context() as patch:
                 patch.setenv("ACME_BACKEND_URL", backend.url)
                 with serve_virtual({"model": str(tiny_model_dir), "script": str(DEMO_SCRIPT),
-                                    "cache_dir": str(demo_cache_dir)}, loop=loop) as live:
+                                    "cache_dir": str(demo_cache_dir), "max_calls": 32,
+                                    "sip": "127.0.0.1:0", "sip_allow": "127.0.0.1/32",
+                                    "rtp_ports": "26000-26999"}, loop=loop) as live:
                     yield live, backend.seen
         finally:
             loop.run_until_complete(backend.stop())

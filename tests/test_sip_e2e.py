@@ -27,7 +27,7 @@ def sip_gateway(demo_realtime: tuple[LiveServer, Any]) -> tuple[LiveServer, Any]
     return demo_realtime
 
 
-def _target(live: LiveServer) -> tuple[str, int]:
+def _target(live: LiveServer | VirtualServer) -> tuple[str, int]:
     endpoint = live.gateway.sip
     assert endpoint is not None and endpoint.local_addr is not None
     return endpoint.local_addr
@@ -282,25 +282,61 @@ class SipCaller:
         self.phone.__exit__()
 
 
-@pytest.mark.parametrize("transport", ["twilio", "sip"])
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+class LoopSipCaller:
+    """The same caller over SIP/RTP as a simulated phone in the gateway's own loop (the load
+    simulator's SIP UAC and RTP endpoint, on real UDP sockets), so it shares virtual time."""
+
+    def __init__(self, live: VirtualServer) -> None:
+        from gateway.loadsim.sip_caller import SipCaller as Phone
+
+        self.live = live
+        loop = asyncio.get_running_loop()
+        self.phone = Phone(caller_id="tester", clock=loop.time)
+
+    async def start(self) -> None:
+        await self.phone.call(_target(self.live), user="ivr")
+
+    async def press(self, keys: str) -> None:
+        for key in keys:
+            await self.phone.send_dtmf(key)
+            await asyncio.sleep(0.05)  # the caller's finger between keys
+
+    async def ended(self) -> None:
+        await _await(lambda: self.phone.remote_hangup_at is not None, 40)
+
+    async def close(self) -> None:
+        await self.phone.aclose()
+
+
+#: Each scenario on each transport; the SIP scenarios once more with baresip, a real phone in
+#: another process (real time), for the transfer.
+SUITE = [*((name, t) for name in sorted(SCENARIOS) for t in ("twilio", "sip")),
+         ("straight to an agent", "sip-baresip")]
+
+
+@pytest.mark.parametrize(("name", "transport"), SUITE)
 def test_ivr_scenarios_behave_the_same_on_every_transport(
     request: pytest.FixtureRequest, tmp_path: Path, transport: str, name: str
 ) -> None:
-    """The same demo script and steps over each transport. Twilio runs on the demo gateway in
-    virtual time (its caller shares the gateway's loop); SIP on real time, because its caller
-    is baresip, a real phone in another process."""
-    if transport == "twilio":
-        virtual, _ = request.getfixturevalue("demo_virtual")
-        virtual.run(_scenario(virtual, TwilioCaller(virtual, 100 + len(name)), name))
-    else:
+    """The same demo script and steps over each transport. Twilio and SIP run on the demo
+    gateway in virtual time (their callers share the gateway's loop); baresip on real time."""
+    if transport == "sip-baresip":
         live, _ = request.getfixturevalue("sip_gateway")
         asyncio.run(_scenario(live, SipCaller(live, tmp_path), name))
         _idle(live)
+        return
+    virtual, _ = request.getfixturevalue("demo_virtual")
+
+    async def run() -> None:
+        caller = (TwilioCaller(virtual, 100 + len(name)) if transport == "twilio"
+                  else LoopSipCaller(virtual))
+        await _scenario(virtual, caller, name)
+
+    virtual.run(run())
 
 
-async def _scenario(live: LiveServer | VirtualServer, caller: TwilioCaller | SipCaller,
-                    name: str) -> None:
+async def _scenario(live: LiveServer | VirtualServer,
+                    caller: TwilioCaller | SipCaller | LoopSipCaller, name: str) -> None:
     registry = live.gateway.registry
     before = {call_id for call_id, _ in registry.items()}
     await caller.start()
