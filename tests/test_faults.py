@@ -48,6 +48,9 @@ from gateway.tts.engine import SAMPLES_PER_FRAME, SpeechRequest
 from gateway.tts.qwen import QwenEngine, QwenModel
 from gateway.tts.service import SpeechService, SpeechStream
 
+# Real time by nature: the speech service's watchdog, a real backend and real engine steps.
+pytestmark = pytest.mark.slow
+
 SORRY = "Sorry, something went wrong on our side."
 BALANCE = "Your balance is"
 

@@ -274,6 +274,7 @@ def fuzz_sip_parser(cases: int, seed: int, check: Callable[[bytes], str] = check
     return tally
 
 
+@pytest.mark.slow
 def test_sip_parser_takes_100k_hostile_datagrams() -> None:
     tally = _timed(lambda: fuzz_sip_parser(CASES, SEED), "SIP parser")
     assert set(tally.accepted) == {"SipRequest", "SipResponse"}
@@ -600,6 +601,7 @@ def fuzz_uas(cases: int, seed: int, session: int = 2000) -> tuple[Tally, list[Ua
     return tally, runs
 
 
+@pytest.mark.slow
 def test_uas_core_takes_100k_hostile_datagrams_with_bounded_state(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

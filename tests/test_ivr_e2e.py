@@ -146,6 +146,7 @@ async def _no_input_retries_then_goodbye(live: VirtualServer) -> None:
     assert (await _after_stream(live, call.call_sid)).find("Hangup") is not None
 
 
+@pytest.mark.slow  # 400 turns on real time: the latency is the point
 async def test_a_cached_prompt_starts_within_5_ms_of_the_callers_turn(
     ivr_realtime: LiveServer,
 ) -> None:

@@ -42,6 +42,7 @@ def _idle(live: LiveServer) -> None:
     )
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_baresip_hears_the_greeting_routes_by_dtmf_and_the_call_state_is_gone(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path
 ) -> None:
@@ -83,6 +84,7 @@ def test_baresip_hears_the_greeting_routes_by_dtmf_and_the_call_state_is_gone(
     assert seconds > 3 and rms > 100  # non-silent: the tiny model speaks noise
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_dtmf_barge_in_stops_the_outgoing_stream(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path
 ) -> None:
@@ -108,6 +110,7 @@ def test_dtmf_barge_in_stops_the_outgoing_stream(
     _idle(live)
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 @pytest.mark.parametrize(
     ("scenario", "local_ip"),
     [
@@ -129,6 +132,7 @@ def test_sipp_scenarios(
     _idle(live)
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_sipp_call_hung_up_by_the_gateway(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path
 ) -> None:
@@ -151,6 +155,7 @@ def test_sipp_call_hung_up_by_the_gateway(
     _idle(live)
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_over_capacity_and_draining(sip_gateway: tuple[LiveServer, Any], tmp_path: Path) -> None:
     live, _ = sip_gateway
     endpoint = live.gateway.sip
@@ -182,6 +187,7 @@ def test_over_capacity_and_draining(sip_gateway: tuple[LiveServer, Any], tmp_pat
         live.gateway.readiness.draining = False
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_fifty_calls_at_ten_per_second(sip_gateway: tuple[LiveServer, Any], tmp_path: Path) -> None:
     live, _ = sip_gateway
     result = run_sipp(
@@ -412,6 +418,7 @@ def _rtp_timeouts(live: LiveServer) -> float:
     return value or 0.0
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_a_call_whose_rtp_never_comes_is_hung_up_after_the_rtp_timeout(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -431,6 +438,7 @@ def test_a_call_whose_rtp_never_comes_is_hung_up_after_the_rtp_timeout(
     _idle(live)
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_a_hold_longer_than_the_rtp_timeout_does_not_end_the_call(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -445,6 +453,7 @@ def test_a_hold_longer_than_the_rtp_timeout_does_not_end_the_call(
     _idle(live)
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_a_caller_that_keeps_sending_rtp_outlives_the_rtp_timeout(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
