@@ -50,10 +50,25 @@ RESERVATION_S = 30.0
 
 def default_engine_factory(settings: Settings) -> list[Engine]:
     """The real engines: Qwen3-TTS loaded once with ``from_pretrained`` of ``settings.model``,
-    then ``settings.slots`` slots over the shared weights."""
+    then one batched engine for the device (or, with ``engine=slots``, ``settings.slots``
+    slots over the shared weights)."""
+    from gateway.tts.batched import BatchedQwenEngine
     from gateway.tts.qwen import QwenEngine, QwenModel
 
     shared = QwenModel(settings.model, device=settings.device, dtype=settings.dtype)
+    if settings.engine == "batched":
+        return [
+            BatchedQwenEngine(
+                shared,
+                max_rows=settings.batch_rows,
+                max_seq_len=settings.max_seq_len,
+                chunk_schedule=settings.chunk_schedule,
+                codec_decode=settings.codec_decode,
+                trim_leading_silence=settings.trim_leading_silence,
+                adaptive_chunks=settings.adaptive_chunks,
+                prefill_chunk=settings.prefill_chunk,
+            )
+        ]
     return [
         QwenEngine(
             shared,
@@ -351,8 +366,8 @@ async def _load(state: GatewayState, engine_factory: EngineFactory) -> None:
             _fail(state, f"preparing the IVR script failed: {exc}")
             return
     state.ready = True
-    log.info("ready: %s x%d slot(s) (load + warm-up %.1f s)", engines[0].name, len(engines),
-             time.monotonic() - t0)
+    log.info("ready: %s, %d turn(s) at once (load + warm-up %.1f s)", engines[0].name,
+             speech.capacity, time.monotonic() - t0)
 
 
 async def _start_sip(state: GatewayState) -> Any:
