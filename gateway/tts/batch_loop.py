@@ -144,8 +144,8 @@ class BatchLoop:
                 if stepping:
                     self._step(stepping)
                 self._emit()
-            except _StepFailed as failure:
-                self._after_failed_step(failure.error)
+            except Exception as exc:  # a step failure, or a bug: the same way out
+                self._after_failed_step(exc.error if isinstance(exc, _StepFailed) else exc)
                 continue
             if self.stuck:
                 self._recover_from_stuck()
@@ -154,7 +154,9 @@ class BatchLoop:
                 with cond:
                     self.beat_at = None
                     self._reap()
-                    if self.turns and not service._stopping:
+                    # Re-checked under the lock: a consumer, cancel or new turn that changed
+                    # things since the plan notified nobody (the loop was not waiting yet).
+                    if self.turns and not service._stopping and not self._changed():
                         cond.wait(timeout=self._idle_timeout())
         self._shutdown()
 
@@ -431,6 +433,14 @@ class BatchLoop:
         self.beat_at = None
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _changed(self) -> bool:
+        """Work appeared since the plan: a queued turn for a free row, a consumer that took
+        its chunks (hold the lock)."""
+        if self.service._heap and self.engine.free_rows > 0:
+            return True
+        return any(t.blocked_since is not None and t.stream.backlog < self.max_backlog
+                   for t in self.turns)
 
     def _bucket_guess(self) -> int:
         rows = sum(1 for t in self.turns if t.row is not None)

@@ -181,10 +181,12 @@ class BatchRow:
     finished: str | None = None
     output: _RowOutput | None = None
     #: With ``record_codes``: each frame's codes ``[16]`` and each chunk's ``[n, 16]`` (host);
-    #: with ``record_logits``: the talker logits each step sampled the next token from.
+    #: with ``record_logits``: per step, the talker logits the next token was sampled from
+    #: and the code predictor's logits ``[15, vocab]`` for codebooks 1-15.
     codes: list[Any] = field(default_factory=list)
     chunks: list[Any] = field(default_factory=list)
     logits: list[Any] = field(default_factory=list)
+    predictor_logits: list[Any] = field(default_factory=list)
 
     @property
     def prompt_tokens(self) -> int:
@@ -630,6 +632,7 @@ class BatchedQwenEngine(BatchEngine):
                 row.codes.append(host_codes[i].clone())
             if self.record_logits:
                 row.logits.append(self._out_logits[i].clone())
+                row.predictor_logits.append(self._out_plogits[i].clone())
             row.frames += 1
             row.length += 1
             if next_tokens[i] == self.eos_id:
@@ -767,6 +770,8 @@ class BatchedQwenEngine(BatchEngine):
                        cache_position=self._pred_positions[0], use_cache=True)
         logits = cp.lm_head[0](out.last_hidden_state[:, -1, :])
         token = sample_rows(logits, self._uniforms[:nb, 0], temp, top_k, top_p, pk)
+        if self.record_logits:
+            self._out_plogits[:nb, 0] = logits
         tokens = [token]
         for i in range(1, self.num_code_groups - 1):
             cache.offset = i + 1
@@ -776,6 +781,8 @@ class BatchedQwenEngine(BatchEngine):
                            use_cache=True)
             logits = cp.lm_head[i](out.last_hidden_state[:, -1, :])
             token = sample_rows(logits, self._uniforms[:nb, i], temp, top_k, top_p, pk)
+            if self.record_logits:
+                self._out_plogits[:nb, i] = logits
             tokens.append(token)
         return torch.stack(tokens, dim=1)
 
@@ -810,8 +817,10 @@ class BatchedQwenEngine(BatchEngine):
                            self._frames, self._min_frames, *self._params]
             self._addend = torch.zeros(cap, 1, hidden, dtype=dtype, device=dev)
             self._out_codes = torch.zeros(cap, self.num_code_groups, dtype=long, device=dev)
-            self._out_logits = torch.zeros(cap if self.record_logits else 1, self.vocab,
-                                           dtype=f32, device=dev)
+            traced = cap if self.record_logits else 1
+            self._out_logits = torch.zeros(traced, self.vocab, dtype=f32, device=dev)
+            self._out_plogits = torch.zeros(traced, self.num_code_groups - 1, self._pred_vocab,
+                                            dtype=f32, device=dev)
             pin = self.on_cuda
             self._active_host = torch.zeros(cap, dtype=torch.bool, pin_memory=pin)
             self._uniform_host = torch.zeros(cap, DRAWS_PER_FRAME, dtype=f32, pin_memory=pin)
