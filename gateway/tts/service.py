@@ -513,6 +513,7 @@ class SpeechService:
                 self._healthy -= 1
             loop.stuck = False
             orphans = self._orphans()
+            self._cond.notify_all()
         self._fail_orphans(orphans)
         self._gauges()
 
@@ -522,6 +523,7 @@ class SpeechService:
             if loop.stuck:
                 loop.stuck = False
                 self._healthy += 1
+            self._cond.notify_all()
         log.warning("tts batch %d: its stuck step returned; rebuilt and back in service",
                     loop.index)
         self._gauges()
