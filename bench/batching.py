@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from common import SPEAKERS, TEXTS, pct, print_table, run_callers
@@ -185,13 +186,17 @@ def part_full_size(args: argparse.Namespace) -> float:
         s_prefill = statistics.median(g.prefill_s for g in results[n]["slots"])
         with_codec_b = 1 / (1 / b + codec_ms / 1000)
         with_codec_s = 1 / (1 / s + codec_ms / 1000)
+        # The frame loop alone (prompts done): n rows per step vs n threads' frames.
+        steady_b = n / statistics.median(g.loop_s_per_frame for g in results[n]["batched"])
+        steady_s = n / statistics.median(g.loop_s_per_frame for g in results[n]["slots"])
         rows.append([str(n), f"{b:.2f}", f"{s:.2f}", f"{b / s:.2f}x", f"{b_prefill:.2f}",
-                     f"{s_prefill:.2f}", f"{codec_ms:.0f}", f"{with_codec_b:.2f}",
-                     f"{with_codec_s:.2f}"])
+                     f"{s_prefill:.2f}", f"{steady_b / steady_s:.2f}x", f"{codec_ms:.0f}",
+                     f"{with_codec_b:.2f}", f"{with_codec_s:.2f}"])
     print_table(rows, ["turns", "batched frames/s", "slots frames/s", "batched/slots",
-                       "batched prefill s", "slots prefill s", "codec ms/frame",
-                       "batched fps + codec", "slots fps + codec"],
-                "0.6B generation (talker + code predictor), all turns at once, fixed length")
+                       "batched prefill s", "slots prefill s", "frame loop only",
+                       "codec ms/frame", "batched fps + codec", "slots fps + codec"],
+                "0.6B generation (talker + code predictor, prompts included), all turns at "
+                "once, fixed length")
     one_b = statistics.median(g.loop_s_per_frame for g in results[1]["batched"])
     one_s = statistics.median(g.loop_s_per_frame for g in results[1]["slots"])
     print(f"one turn alone, per frame: batched {1000 * one_b:.0f} ms, slots {1000 * one_s:.0f} "
@@ -215,24 +220,36 @@ def part_tiny(args: argparse.Namespace) -> None:
     for slot in slots:
         slot.warmup()
 
-    async def level(engines: list, n: int) -> tuple[list, float]:  # type: ignore[type-arg]
+    async def level(engines: list, n: int) -> tuple[list, float, Any]:  # type: ignore[type-arg]
         service = SpeechService(engines, first_audio_budget_s=0.2)
         service.start()
         try:
-            return await run_callers(service, n, n if args.quick else 2 * n, frames)
+            turns, audio_per_wall = await run_callers(service, n, n if args.quick else 2 * n,
+                                                      frames)
+            return turns, audio_per_wall, service.stats
         finally:
             service.stop()
 
     rows = []
     for n in levels:
         for kind, engines in (("batched", [batched]), ("slots", slots[:n])):
-            turns, audio_per_wall = asyncio.run(level(engines, n))
+            turns, audio_per_wall, stats = asyncio.run(level(engines, n))
             firsts = [1000 * t.first_frame_s for t in turns]
+            # What a running row waits between two of its frames (prefills included), and
+            # what one prefill chunk costs: the stall a newcomer can impose.
+            interval = (f"{1000 * pct(stats.step_interval_s, 50):.0f} / "
+                        f"{1000 * pct(stats.step_interval_s, 99):.0f} / "
+                        f"{1000 * max(stats.step_interval_s):.0f}"
+                        if stats.step_interval_s else "-")
+            prefill = (f"{1000 * pct(stats.prefill_s, 50):.1f} / "
+                       f"{1000 * max(stats.prefill_s):.1f}" if stats.prefill_s else "-")
             rows.append([str(n), kind, str(len(turns)), f"{pct(firsts, 50):.1f}",
                          f"{pct(firsts, 95):.1f}", str(sum(t.gaps for t in turns)),
-                         f"{1000 * sum(t.gap_s for t in turns):.0f}", f"{audio_per_wall:.2f}"])
+                         f"{1000 * sum(t.gap_s for t in turns):.0f}", f"{audio_per_wall:.2f}",
+                         interval, prefill])
     print_table(rows, ["live turns", "engine", "turns", "first audio p50 ms", "p95 ms", "gaps",
-                       "gap ms", "audio s / wall s"],
+                       "gap ms", "audio s / wall s", "step interval p50/p99/max ms",
+                       "prefill p50/max ms"],
                 f"Tiny model through the scheduler ({frames} frames = {0.08 * frames:.1f} s "
                 "per turn)")
 
@@ -248,7 +265,11 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="static KV positions per turn, both engines (default: theirs)")
     parser.add_argument("--skip-tiny", action="store_true")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (default: torch's, one per core)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if not args.skip_tiny:
         part_tiny(args)

@@ -145,6 +145,7 @@ def _explain(solo: BatchRow, mixed: BatchRow, greedy: bool) -> tuple[float, str 
     worst = 0.0
     for (frame, codebook, la), (_f, _c, lb) in zip(_decisions(solo), _decisions(mixed),
                                                    strict=False):
+        la, lb = la.cpu(), lb.cpu()
         worst = max(worst, _relative_diff(la, lb))
         a, b = int(solo.codes[frame][codebook]), int(mixed.codes[frame][codebook])
         if a == b:
@@ -338,18 +339,25 @@ def test_one_graph_per_shape_is_captured_and_capture_warm_ups_change_no_row(
 
 
 @pytest.mark.gpu
-def test_cuda_graph_steps_match_the_eager_steps(tiny_model_dir: Path) -> None:
-    """The true CUDA path: graphs per bucket give the codes of the eager step."""
+@pytest.mark.parametrize("sampling", [Sampling.greedy(), None], ids=["greedy", "seeded"])
+def test_cuda_graph_steps_match_the_eager_steps(
+    tiny_model_dir: Path, sampling: Sampling | None
+) -> None:
+    """The true CUDA path: graphs per bucket (captured at warm-up) give the eager step's codes,
+    up to the same explained float edges as batching (the eager step attends over other
+    lengths, so its attention kernels differ)."""
     shared = QwenModel(str(tiny_model_dir), device="cuda", dtype="float32")
-    graphs = BatchedQwenEngine(shared, max_rows=4, record_codes=True)
-    eager = BatchedQwenEngine(shared, max_rows=4, record_codes=True, cuda_graphs=False)
+    kwargs: dict[str, Any] = {"max_rows": 4, "record_codes": True, "record_logits": True}
+    graphs = BatchedQwenEngine(shared, **kwargs)
+    eager = BatchedQwenEngine(shared, cuda_graphs=False, **kwargs)
     graphs.warmup()
-    requests = _requests(Sampling.greedy(), frames=10)[:3]
+    assert graphs.captures >= len(batch_buckets(4))
+    requests = _requests(sampling, frames=10)[:3]
     plan = [(2 * i, r) for i, r in enumerate(requests)]
     got, expected = _drive(graphs, plan), _drive(eager, plan)
     for i in range(3):
-        assert torch.equal(_codes(got[i]), _codes(expected[i]))
-    assert graphs.captures >= len(batch_buckets(4))
+        worst, _where = _explain(expected[i], got[i], greedy=sampling is not None)
+        assert worst < 1e-3
 
 
 # --- sampling, caches ---------------------------------------------------------------------------

@@ -220,7 +220,7 @@ class BatchLoop:
             row = turn.row
             assert row is not None
             while row.prefilling:
-                left = row.prompt_tokens
+                left = row.prompt_tokens - row.prefilled
                 tokens = left if chunk <= 0 else min(chunk, left)
                 rate = self._prefill_s_per_token
                 estimate = rate * tokens if rate is not None else 0.0
@@ -406,8 +406,10 @@ class BatchLoop:
         """The step the watchdog gave up on has returned: its turns were failed already."""
         with self.service._cond:
             turns, self.turns = self.turns, []
+            for turn in turns:
+                turn.row = None
+                self.service._end(turn.stream)
         for turn in turns:
-            turn.row = None
             turn.stream._finish()
         if self._rebuild():
             self.service._loop_back(self)

@@ -182,6 +182,8 @@ class EngineRow(Protocol):
     finished: str | None
     #: Codec frames generated so far.
     frames: int
+    #: Prompt tokens prefilled so far.
+    prefilled: int
     #: Each chunk's codes (``[n, 16]``, on the host) when the engine records them.
     codes: list[Any]
 
