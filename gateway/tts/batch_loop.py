@@ -10,9 +10,10 @@ shape: schedule -> execute -> update from output). Each iteration:
    time plus the first-audio budget); with the batch full the queue simply waits.
 3. **Prefill, first priority, bounded.** New turns' prompts go through the talker between
    steps, most urgent first. How much runs before the next step is bounded by the running
-   rows' playback: the smallest lead (audio delivered but not yet played) among rows that are
-   playing, minus the expected step time, is the budget; prefill chunks (``prefill_chunk``
-   tokens, a fixed engine setting) run while their measured cost fits. At least one chunk runs
+   rows' playback: a playing row's slack is its lead (audio delivered but not yet played)
+   minus what its next chunk still needs (a measured step per missing frame, and its decode);
+   prefill chunks (``prefill_chunk`` tokens, a fixed engine setting) run while their measured
+   cost fits in the smallest slack. At least one chunk runs
    per iteration, so a newcomer is never starved; a burst of newcomers is prefilled together
    when the budget allows and every one of them then gets its first frame from the same step.
 4. **Plan the step.** Every ready row advances, except rows that sit this step out: a row whose
@@ -91,6 +92,7 @@ class BatchLoop:
         # Measured costs: step seconds per batch bucket, prefill seconds per prompt token.
         self._step_s: dict[int, float] = {}
         self._prefill_s_per_token: float | None = None
+        self._decode_s = 0.0
         self._last_step_start: float | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -208,11 +210,14 @@ class BatchLoop:
             return False
         clock = self.service.clock
         now = clock()
-        leads = [t.stream.audio_ahead(now) for t in self.turns
-                 if t.row is not None and t.row.ready and t.row.finished is None
-                 and t.stream.first_chunk_at is not None]
-        upcoming = self._step_s.get(self._bucket_guess(), 0.0)
-        budget = (min(leads) - upcoming - PREFILL_SAFETY_S) if leads else float("inf")
+        # A playing row's slack: its lead minus the time its next chunk still needs (the frames
+        # missing from it, a step each, and its decode). Prefill may spend the smallest slack.
+        step = self._step_s.get(self._bucket_guess(), 0.0)
+        slacks = [t.stream.audio_ahead(now) - max(1, t.row.frames_to_chunk) * step
+                  - self._decode_s for t in self.turns
+                  if t.row is not None and t.row.ready and t.row.finished is None
+                  and t.stream.first_chunk_at is not None]
+        budget = (min(slacks) - PREFILL_SAFETY_S) if slacks else float("inf")
         spent = 0.0
         ran = False
         chunk = self.engine.prefill_chunk
@@ -323,9 +328,11 @@ class BatchLoop:
                 with call_context(str(stream.request.tags.get("call", ""))):
                     while True:
                         self.beat_at = clock()
+                        t0 = time.perf_counter()
                         audio = self.engine.next_chunk(row)
                         if audio is None:
                             break
+                        self._decode_s = 0.7 * self._decode_s + 0.3 * (time.perf_counter() - t0)
                         if len(audio):
                             stream._record_chunk(len(audio), clock())
                             stream._produced += 1

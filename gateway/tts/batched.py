@@ -196,6 +196,12 @@ class BatchRow:
     def prefilling(self) -> bool:
         return not self.ready
 
+    @property
+    def frames_to_chunk(self) -> int:
+        if self.output is None:
+            return 0
+        return max(0, self.output.target - len(self.output.buffer))
+
     def text_addend(self) -> Any:
         """What the talker adds to the next frame's embedding: the next trailing text token,
         then the pad embedding (``gen_step`` of faster-qwen3-tts = frames generated)."""

@@ -193,6 +193,11 @@ class EngineRow(Protocol):
     @property
     def prefilling(self) -> bool: ...
 
+    @property
+    def frames_to_chunk(self) -> int:
+        """Frames still to generate before the row's next chunk is due."""
+        ...
+
 
 class BatchEngine(Engine):
     """An engine whose rows one loop advances together (see :mod:`gateway.tts.batch_loop`).
