@@ -51,10 +51,18 @@ class Gen:
     prefill_s: float
     #: Seconds per frame of the frame loop alone (one turn: the per-frame cost).
     loop_s_per_frame: float
+    #: CPU seconds the process used (every thread): on a shared machine the kernel shares
+    #: cores per thread, so 16 slot threads take more of them than one batched thread; frames
+    #: per CPU second compare the engines without that bias.
+    cpu_s: float = float("nan")
 
     @property
     def fps(self) -> float:
         return self.frames / self.wall_s
+
+    @property
+    def per_cpu_s(self) -> float:
+        return self.frames / self.cpu_s
 
 
 def request(i: int, frames: int) -> SpeechRequest:
@@ -64,6 +72,7 @@ def request(i: int, frames: int) -> SpeechRequest:
 
 def gen_batched(engine: BatchedQwenEngine, turns: int, frames: int) -> Gen:
     """All turns admitted at once, prefilled, then stepped together to the end."""
+    c0 = time.process_time()
     t0 = time.perf_counter()
     rows = [engine.open(request(i, frames)) for i in range(turns)]
     for row in rows:
@@ -80,7 +89,7 @@ def gen_batched(engine: BatchedQwenEngine, turns: int, frames: int) -> Gen:
     t2 = time.perf_counter()
     for row in rows:
         engine.close(row)
-    return Gen(turns * frames, t2 - t0, t1 - t0, (t2 - t1) / steps)
+    return Gen(turns * frames, t2 - t0, t1 - t0, (t2 - t1) / steps, time.process_time() - c0)
 
 
 def gen_slots(slots: list[QwenEngine], turns: int, frames: int) -> Gen:
@@ -98,14 +107,17 @@ def gen_slots(slots: list[QwenEngine], turns: int, frames: int) -> Gen:
             timings.append((p - t, time.perf_counter() - p))
 
     threads = [threading.Thread(target=work, args=(slots[i], i)) for i in range(turns)]
+    c0 = time.process_time()
     t0 = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     prefill = max(t[0] for t in timings)
-    return Gen(turns * frames, wall, prefill, statistics.mean(t[1] for t in timings) / frames)
+    return Gen(turns * frames, wall, prefill, statistics.mean(t[1] for t in timings) / frames,
+               cpu)
 
 
 def codec_costs(shared: QwenModel, frames: int, rows: int) -> tuple[float, float, float]:
@@ -150,7 +162,10 @@ def part_full_size(args: argparse.Namespace) -> float:
         t = time.monotonic()
         build_random_checkpoint(model_dir, size="0.6B")
         print(f"built the random 0.6B checkpoint at {model_dir} in {time.monotonic() - t:.0f} s")
-    levels = [1, 8] if args.quick else [1, 8, 16]
+    levels = ([int(x) for x in args.levels.split(",")] if args.levels
+              else [1, 8] if args.quick else [1, 8, 16])
+    if 1 not in levels or 8 not in levels:
+        raise SystemExit("--levels must include 1 and 8")
     frames = args.frames or (8 if args.quick else 24)
     rounds = 1 if args.quick else args.rounds
     t = time.monotonic()
@@ -189,11 +204,13 @@ def part_full_size(args: argparse.Namespace) -> float:
         # The frame loop alone (prompts done): n rows per step vs n threads' frames.
         steady_b = n / statistics.median(g.loop_s_per_frame for g in results[n]["batched"])
         steady_s = n / statistics.median(g.loop_s_per_frame for g in results[n]["slots"])
-        rows.append([str(n), f"{b:.2f}", f"{s:.2f}", f"{b / s:.2f}x", f"{b_prefill:.2f}",
-                     f"{s_prefill:.2f}", f"{steady_b / steady_s:.2f}x", f"{codec_ms:.0f}",
-                     f"{with_codec_b:.2f}", f"{with_codec_s:.2f}"])
+        cpu_b = statistics.median(g.per_cpu_s for g in results[n]["batched"])
+        cpu_s = statistics.median(g.per_cpu_s for g in results[n]["slots"])
+        rows.append([str(n), f"{b:.2f}", f"{s:.2f}", f"{b / s:.2f}x", f"{cpu_b / cpu_s:.2f}x",
+                     f"{b_prefill:.2f}", f"{s_prefill:.2f}", f"{steady_b / steady_s:.2f}x",
+                     f"{codec_ms:.0f}", f"{with_codec_b:.2f}", f"{with_codec_s:.2f}"])
     print_table(rows, ["turns", "batched frames/s", "slots frames/s", "batched/slots",
-                       "batched prefill s", "slots prefill s", "frame loop only",
+                       "per CPU-s", "batched prefill s", "slots prefill s", "frame loop only",
                        "codec ms/frame", "batched fps + codec", "slots fps + codec"],
                 "0.6B generation (talker + code predictor, prompts included), all turns at "
                 "once, fixed length")
@@ -262,6 +279,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer levels and frames (~5 min)")
     parser.add_argument("--frames", type=int, default=0, help="codec frames per 0.6B turn")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (full run)")
+    parser.add_argument("--levels", default="", help="0.6B turn counts, e.g. 1,8 (must hold "
+                        "1 and 8; default 1,8,16, --quick 1,8)")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="static KV positions per turn, both engines (default: theirs)")
     parser.add_argument("--skip-tiny", action="store_true")
