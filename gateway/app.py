@@ -66,10 +66,25 @@ EngineFactory = Callable[[Settings], Sequence[Engine]]
 
 def default_engine_factory(settings: Settings) -> list[Engine]:
     """The real engines: Qwen3-TTS loaded once with ``from_pretrained`` of ``settings.model``,
-    then ``settings.slots`` slots over the shared weights."""
+    then one batched engine for the device (or, with ``engine=slots``, ``settings.slots``
+    slots over the shared weights)."""
+    from gateway.tts.batched import BatchedQwenEngine
     from gateway.tts.qwen import QwenEngine, QwenModel
 
     shared = QwenModel(settings.model, device=settings.device, dtype=settings.dtype)
+    if settings.engine == "batched":
+        return [
+            BatchedQwenEngine(
+                shared,
+                max_rows=settings.batch_rows,
+                max_seq_len=settings.max_seq_len,
+                chunk_schedule=settings.chunk_schedule,
+                codec_decode=settings.codec_decode,
+                trim_leading_silence=False,  # the phone path trims (gateway.audio.condition)
+                adaptive_chunks=settings.adaptive_chunks,
+                prefill_chunk=settings.prefill_chunk,
+            )
+        ]
     return [
         QwenEngine(
             shared,
@@ -329,8 +344,8 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
         else:
             gateway.dialogs.install(GreeterDialogs(speaker, settings.greeting))
     gateway.readiness.mark_ready(engines[0].name)
-    log.info("ready: %s x%d slot(s) (load + warm-up %.1f s)", engines[0].name, len(engines),
-             clock.now() - t0)
+    log.info("ready: %s, %d turn(s) at once (load + warm-up %.1f s)", engines[0].name,
+             speech.capacity, clock.now() - t0)
 
 
 async def _start_sip(gateway: Gateway) -> SipEndpoint:
