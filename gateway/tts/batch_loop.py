@@ -39,17 +39,47 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gateway.errors import EngineError
 from gateway.logs import call_context
+from gateway.metrics import Metrics
 from gateway.tts.engine import BatchEngine, EngineRow
-
-if TYPE_CHECKING:
-    from gateway.tts.service import SpeechService, SpeechStream
+from gateway.tts.stream import ServiceStats, SpeechStream
 
 log = logging.getLogger(__name__)
+
+
+class LoopHost(Protocol):
+    """What a loop needs of the :class:`~gateway.tts.service.SpeechService` that owns it.
+
+    The service's queue, condition and bookkeeping, reached under ``_cond`` from the loop's
+    thread. A protocol rather than an import so the service can import the loop and the import
+    graph keeps no cycle.
+    """
+
+    clock: Callable[[], float]
+    metrics: Metrics | None
+    stats: ServiceStats
+    ahead_low_s: float
+    ahead_high_s: float
+    _cond: threading.Condition
+    _stopping: bool
+    _heap: list[tuple[float, int, SpeechStream]]
+
+    def _pop_queued(self) -> SpeechStream | None: ...
+    def _started(self, stream: SpeechStream) -> None: ...
+    def _completed(self, stream: SpeechStream) -> None: ...
+    def _stopped(self, stream: SpeechStream, *, cancelled: bool) -> None: ...
+    def _failed(self, stream: SpeechStream, exc: BaseException) -> None: ...
+    def _end(self, stream: SpeechStream) -> None: ...
+    def _record_prefill(self, seconds: float) -> None: ...
+    def _record_step(self, rows: int, seconds: float, interval: float | None) -> None: ...
+    def _rows_waiting(self, *, backpressure: int, urgency: int, prefill: int) -> None: ...
+    def _loop_back(self, loop: BatchLoop) -> None: ...
+    def _retire(self, loop: BatchLoop) -> None: ...
 
 #: Margin kept between the slack estimate and the next step when budgeting prefill work.
 PREFILL_SAFETY_S = 0.02
@@ -76,7 +106,7 @@ class _Turn:
 class BatchLoop:
     """The thread that drives one :class:`BatchEngine` for a :class:`SpeechService`."""
 
-    def __init__(self, service: SpeechService, engine: BatchEngine, index: int,
+    def __init__(self, service: LoopHost, engine: BatchEngine, index: int,
                  max_backlog: int = DEFAULT_MAX_BACKLOG) -> None:
         self.service = service
         self.engine = engine

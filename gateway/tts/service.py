@@ -45,208 +45,20 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from gateway.errors import EngineError
 from gateway.logs import call_context
 from gateway.metrics import Metrics
 from gateway.tts.batch_loop import BatchLoop
-from gateway.tts.engine import SAMPLE_RATE, BatchEngine, Engine, SpeechRequest, VoicePrompt
+from gateway.tts.engine import BatchEngine, Engine, SpeechRequest, VoicePrompt
+from gateway.tts.stream import END_OF_STREAM, ServiceStats, SpeechStream, append_bounded
 
 log = logging.getLogger(__name__)
 
-_END = object()
-#: Per-turn stats lists keep at most twice this many entries (then the oldest half goes), so a
-#: gateway that runs for months does not grow them without bound.
-_STATS_KEEP = 4096
-
-
-def _append_bounded(entries: list[Any], value: Any) -> None:
-    entries.append(value)
-    if len(entries) > 2 * _STATS_KEEP:
-        del entries[:_STATS_KEEP]
-
-
-@dataclass
-class ServiceStats:
-    """Counters the tests, the benchmark and ``/metrics`` read."""
-
-    started: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    pauses: int = 0
-    slots_retired: int = 0
-    #: Steps the watchdog gave up on (the turn failed, the slot left rotation until it returned).
-    stuck_steps: int = 0
-    #: Seconds from ``cancel()`` to the slot being free, one entry per cancelled generation
-    #: (the most recent few thousand).
-    cancel_to_free_s: list[float] = field(default_factory=list)
-    #: Order in which turns got a slot (their ``tags["turn"]`` or text), for ordering tests.
-    start_order: list[str] = field(default_factory=list)
-    # --- the batched loop ---
-    #: Batched steps run, and per step (the most recent few thousand): rows advanced, seconds
-    #: the step took, seconds since the previous step began.
-    steps: int = 0
-    step_rows: list[int] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)
-    step_interval_s: list[float] = field(default_factory=list)
-    #: Seconds per prefill chunk run between steps.
-    prefill_s: list[float] = field(default_factory=list)
-    #: Rows that sat out steps because their consumer had not taken their chunks.
-    backpressure_waits: int = 0
-    #: Turns started over (not yet heard) after a failed batched step.
-    restarted: int = 0
-
-
-class SpeechStream:
-    """One turn's generation: an async iterator over its 24 kHz float32 chunks.
-
-    ``cancel()`` (or ``aclose()``) stops the generation; iteration then ends. Errors raised by
-    the engine surface here as :class:`~gateway.errors.EngineError`.
-    """
-
-    def __init__(
-        self,
-        request: SpeechRequest,
-        loop: asyncio.AbstractEventLoop,
-        turn_started_at: float,
-        deadline: float,
-        clock: Callable[[], float],
-    ) -> None:
-        self.request = request
-        self.turn_started_at = turn_started_at
-        self.deadline = deadline
-        self.submitted_at = clock()
-        self.started_at: float | None = None
-        self.first_chunk_at: float | None = None
-        self.finished_at: float | None = None
-        #: Seconds of audio generated so far.
-        self.audio_s = 0.0
-        #: Underruns seen by a listener who starts playing at the first chunk: a chunk arriving
-        #: after the previous audio would have finished playing.
-        self.gaps = 0
-        self.gap_s = 0.0
-        self.chunk_times: list[float] = []
-        self._playback_origin = 0.0
-        self._loop = loop
-        self._queue: asyncio.Queue[object] = asyncio.Queue()
-        self._cancel = threading.Event()
-        self._cancelled_at: float | None = None
-        # Set when the service gave up on this turn (watchdog, no healthy slot): its consumer
-        # has been handed an EngineError and the worker must stop as soon as it can.
-        self._abandoned = False
-        self.finished = asyncio.Event()
-        # Backpressure: chunks handed over (engine thread) and taken (consumer). Each counter
-        # has one writer, so their difference is safe to read from either side.
-        self._produced = 0
-        self._consumed = 0
-        #: Set by the batched loop while this turn waits on its consumer; taking a chunk then
-        #: wakes the loop through ``_wake``.
-        self._blocked = False
-        self._wake: Callable[[], None] | None = None
-        #: Each frame's codec ids when the engine records them (tests, benchmarks).
-        self.codes: list[Any] = []
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    @property
-    def abandoned(self) -> bool:
-        """True once the service failed this turn itself (a stuck step, no healthy slot)."""
-        return self._abandoned
-
-    @property
-    def stopping(self) -> bool:
-        """The worker must not produce more for this turn (cancelled or abandoned)."""
-        return self._abandoned or self._cancel.is_set()
-
-    @property
-    def waiting_for_first_audio(self) -> bool:
-        return self.first_chunk_at is None
-
-    @property
-    def backlog(self) -> int:
-        """Chunks handed over that the consumer has not taken yet."""
-        return self._produced - self._consumed
-
-    def audio_ahead(self, now: float) -> float:
-        """Seconds of generated audio not yet played by a listener who started at chunk one."""
-        if self.first_chunk_at is None:
-            return 0.0
-        return self.audio_s - (now - self._playback_origin)
-
-    def cancel(self) -> None:
-        """Stop generating (idempotent, never blocks; call from the event loop)."""
-        if not self._cancel.is_set():
-            self._cancelled_at = time.monotonic()
-            self._cancel.set()
-            # Wake a consumer that is waiting for the next chunk.
-            self._queue.put_nowait(_END)
-            if self._wake is not None:
-                self._wake()  # the batched loop frees the row without waiting for a step
-
-    def __aiter__(self) -> AsyncIterator[np.ndarray]:
-        return self
-
-    async def __anext__(self) -> np.ndarray:
-        if self._cancel.is_set() and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _END or self._cancel.is_set():
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            raise EngineError(f"speech generation failed: {item}") from item
-        assert isinstance(item, np.ndarray)
-        self._consumed += 1
-        if self._blocked and self._wake is not None:
-            self._blocked = False
-            self._wake()
-        return item
-
-    async def aclose(self) -> None:
-        self.cancel()
-
-    # --- called from the worker thread --------------------------------------------------------
-
-    def _record_chunk(self, samples: int, now: float) -> None:
-        if self.first_chunk_at is None:
-            self.first_chunk_at = now
-            self._playback_origin = now
-        else:
-            ran_out_at = self._playback_origin + self.audio_s
-            if now > ran_out_at:
-                # The listener heard silence from ran_out_at to now; playback resumes now.
-                self.gaps += 1
-                self.gap_s += now - ran_out_at
-                self._playback_origin += now - ran_out_at
-        self.audio_s += samples / SAMPLE_RATE
-        self.chunk_times.append(now)
-
-    def _put(self, item: object) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            self._cancel.set()
-
-    def _abandon(self, error: EngineError) -> None:
-        """Fail the turn from outside its worker: the consumer gets ``error``."""
-        if self._abandoned:
-            return
-        self._abandoned = True
-        if not self._cancel.is_set():
-            self._put(error)
-
-    def _finish(self) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self.finished.set)
-        except RuntimeError:
-            pass
+# SpeechStream and ServiceStats live in gateway.tts.stream; callers import them from here.
+__all__ = ["ServiceStats", "SpeechService", "SpeechStream"]
 
 
 @dataclass(eq=False)
@@ -436,7 +248,7 @@ class SpeechService:
         """A turn got a row (hold the lock)."""
         self._running.add(stream)
         self.stats.started += 1
-        _append_bounded(self.stats.start_order,
+        append_bounded(self.stats.start_order,
                         stream.request.tags.get("turn", stream.request.text))
         stream.started_at = self.clock()
         if self.metrics is not None:
@@ -447,7 +259,7 @@ class SpeechService:
         with self._cond:
             self.stats.completed += 1
             self._end(stream)
-        stream._put(_END)
+        stream._put(END_OF_STREAM)
         stream._finish()
         self._gauges()
 
@@ -457,7 +269,7 @@ class SpeechService:
             self.stats.cancelled += 1
             if stream._cancelled_at is not None:
                 freed = time.monotonic() - stream._cancelled_at
-                _append_bounded(self.stats.cancel_to_free_s, freed)
+                append_bounded(self.stats.cancel_to_free_s, freed)
                 if self.metrics is not None:
                     self.metrics.tts_cancel_to_free.observe(freed)
         self._end(stream)
@@ -484,16 +296,16 @@ class SpeechService:
     def _record_step(self, rows: int, seconds: float, interval: float | None) -> None:
         stats = self.stats
         stats.steps += 1
-        _append_bounded(stats.step_rows, rows)
-        _append_bounded(stats.step_s, seconds)
+        append_bounded(stats.step_rows, rows)
+        append_bounded(stats.step_s, seconds)
         if interval is not None:
-            _append_bounded(stats.step_interval_s, interval)
+            append_bounded(stats.step_interval_s, interval)
         if self.metrics is not None:
             self.metrics.tts_batch_size.observe(rows)
             self.metrics.tts_step_seconds.observe(seconds)
 
     def _record_prefill(self, seconds: float) -> None:
-        _append_bounded(self.stats.prefill_s, seconds)
+        append_bounded(self.stats.prefill_s, seconds)
         if self.metrics is not None:
             self.metrics.tts_prefill_seconds.observe(seconds)
 
@@ -573,7 +385,7 @@ class SpeechService:
         engine = slot.engine
         stats = self.stats
         stats.started += 1
-        _append_bounded(stats.start_order, stream.request.tags.get("turn", stream.request.text))
+        append_bounded(stats.start_order, stream.request.tags.get("turn", stream.request.text))
         stream.started_at = self.clock()
         if self.metrics is not None:
             self.metrics.tts_queue_wait.observe(stream.started_at - stream.submitted_at)
@@ -620,12 +432,12 @@ class SpeechService:
             stats.cancelled += 1
             if stream._cancelled_at is not None:
                 freed = time.monotonic() - stream._cancelled_at
-                _append_bounded(stats.cancel_to_free_s, freed)
+                append_bounded(stats.cancel_to_free_s, freed)
                 if self.metrics is not None:
                     self.metrics.tts_cancel_to_free.observe(freed)
         else:
             stats.completed += 1
-            stream._put(_END)
+            stream._put(END_OF_STREAM)
         return True
 
     def _poll(self, slot: _Slot, stream: SpeechStream) -> bool:
