@@ -377,7 +377,7 @@ def prompts_render(
     finally:
         speech.stop()
     typer.echo(f"{hits} already cached, {len(todo)} rendered into {settings.cache_dir} "
-               f"in {time.perf_counter() - t0:.1f} s on {engines[0].device} "
+               f"in {time.perf_counter() - t0:.1f} s on {engines[0].name} "
                f"({speech.capacity} at once)")
 
 
