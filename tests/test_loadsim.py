@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import uvicorn
 from conftest import AUTH_TOKEN, DEMO_SCRIPT, LiveServer, serve
-from fastapi import FastAPI, WebSocket
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import Response
 
 from gateway.cli import main
 from gateway.loadsim.model import evaluate, parse_slo
@@ -131,8 +132,15 @@ def test_slo_parsing() -> None:
 @contextlib.contextmanager
 def fault_server(behaviour: str) -> Iterator[str]:
     """A deliberately broken Media Streams server: ``stutter`` delays frames mid-prompt,
-    ``deaf`` never answers a key."""
+    ``deaf`` never answers a key. Its voice webhook answers like the gateway's."""
     app = FastAPI()
+
+    @app.post("/twilio/voice")
+    async def voice(request: Request) -> Response:
+        url = f"ws://{request.headers['host']}/twilio/media"
+        return Response(f'<?xml version="1.0" encoding="UTF-8"?><Response><Connect>'
+                        f'<Stream url="{url}" /></Connect></Response>',
+                        media_type="application/xml")
 
     @app.websocket("/twilio/media")
     async def media(websocket: WebSocket) -> None:
@@ -213,7 +221,8 @@ def test_a_server_that_never_answers_a_turn_shows_a_timeout() -> None:
         level = run_level(_config(url), 1, 0)
     summary = level.summary()
     assert summary["timeouts"] == 1 and summary["errors"] == 1
-    assert level.calls[0].error == "no audio after pressing 5"
+    # Which turn, after what, how long the caller waited.
+    assert level.calls[0].error == "no audio within 2 s after pressing 5 (turn 2)"
 
 
 class _SlowEngine(QwenEngine):
