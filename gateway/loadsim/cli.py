@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import importlib.util
+import importlib
 import json
 import os
 import time
@@ -38,13 +38,17 @@ loadsim_app = typer.Typer(no_args_is_help=True,
 _console = Console(stderr=True)
 
 #: The libraries of the [loadsim] extra (module name -> distribution).
-EXTRA_MODULES = {"httpx": "httpx", "jinja2": "jinja2", "matplotlib": "matplotlib"}
+EXTRA_MODULES = {"jinja2": "jinja2", "matplotlib": "matplotlib"}
 
 
 def require_extra() -> None:
     """Fail with the install command when the [loadsim] extra is not installed."""
-    missing = [dist for module, dist in EXTRA_MODULES.items()
-               if importlib.util.find_spec(module) is None]
+    missing = []
+    for module, dist in EXTRA_MODULES.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(dist)
     if missing:
         raise GatewayError(
             "the load simulator is an optional extra and needs "
