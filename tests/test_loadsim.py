@@ -365,6 +365,7 @@ def test_arrival_patterns(gateway: LiveServer, pattern: str) -> None:
     level = run_level(config, 4, 0)
     summary = level.summary()
     assert summary["errors"] == 0 and summary["calls"] >= 3, summary
+    assert summary["offered"] == {"rate": "4/s", "ramp": "×1→4"}[pattern]
     starts = sorted(c.started_s for c in level.calls)
     if pattern == "ramp":
         # 1 caller at first, 4 by the end: calls start spread over the run, not all at once.

@@ -222,7 +222,7 @@ def test_summary_table_has_a_row_per_level() -> None:
                    if re.match(rf"\W*{level['concurrency']}\b", line))
         assert p95 in row and verdict in row
     assert "SLO ttfa_p95<400ms,gaps=0: missed" in text
-    assert "withheld at concurrency 20" in text
+    assert "latency figures withheld at ×20 (simulator lateness too large" in text
 
 
 def _render(renderables: list[Any], width: int) -> list[str]:

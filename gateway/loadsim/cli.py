@@ -138,9 +138,10 @@ def _refusal_note(levels: list[Level]) -> str | None:
     placed = sum(len(lv.calls) for lv in levels)
     if not refused:
         return None
+    then = ("each arrival tried once (--rate)" if all(lv.pattern == "rate" for lv in levels)
+            else "refused callers redialled after --backoff")
     return (f"{refused} of {placed} placed calls were refused by the gateway (busy): not "
-            "failures, but the offered load is more than it takes; refused callers redialled "
-            "after --backoff")
+            f"failures, but the offered load is more than it takes; {then}")
 
 
 def _finish(document: dict[str, Any], json_out: Path | None, html_out: Path | None) -> None:

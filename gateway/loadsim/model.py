@@ -163,6 +163,8 @@ class Level:
     speech: str | None = None
     #: The gateway it ran against, when a document holds levels of several.
     target: str | None = None
+    #: The load offered, as people read it: "×20" callers, "5/s" arrivals, "×1→20" a ramp.
+    offered: str | None = None
 
     def summary(self) -> dict[str, Any]:
         firsts = [t.first_audio_ms for c in self.calls for t in c.turns
@@ -216,6 +218,7 @@ class Level:
             "gateway": self.gateway,
             "speech": self.speech,
             "target": self.target,
+            "offered": self.offered or f"×{self.concurrency}",
             "lateness_ms": lateness,
             "withheld": withheld,
         }

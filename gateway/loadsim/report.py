@@ -232,9 +232,15 @@ class _Level:
     characters_per_s: float | None
     speech: str | None
     target: str | None
+    offered: str | None
     lateness: _Pcts
     passed: bool | None
     withheld: str | None
+
+    @property
+    def label(self) -> str:
+        """The load the level offered: "×20" callers, "5/s" arrivals, "×1→20" a ramp."""
+        return self.offered or f"×{self.concurrency}"
 
     @classmethod
     def parse(cls, obj: Mapping[str, Any], path: str) -> _Level:
@@ -269,6 +275,7 @@ class _Level:
             characters_per_s=_num(obj, "characters_per_s", path),
             speech=_str(obj, "speech", path),
             target=_str(obj, "target", path),
+            offered=_str(obj, "offered", path),
             lateness=_Pcts.parse(_mapping(obj, "lateness_ms", path), f"{path}.lateness_ms"),
             passed=_bool(obj, "passed", path),
             withheld=withheld if isinstance(withheld, str) else None,
@@ -371,7 +378,7 @@ class _Run:
         if 0 <= index < len(self.levels):
             level = self.levels[index]
             prefix = f"{level.speech} " if self.mixed_speech and level.speech else ""
-            return f"{prefix}×{level.concurrency}"
+            return f"{prefix}{level.label}"
         return f"level {index}"
 
 
@@ -824,7 +831,7 @@ def build_html(data: Mapping[str, Any]) -> str:
     page = _environment().get_template("report.html.j2").render(
         title=f"Load test: {m.scenario} → {m.target} ({m.transport})",
         meta=m, run=run, meta_rows=meta_rows,
-        withheld=[(lv.concurrency, lv.withheld) for lv in run.levels if lv.withheld],
+        withheld=[(lv.label, lv.withheld) for lv in run.levels if lv.withheld],
         levels=_levels_rows(run), media=_media_rows(run), causes=_cause_rows(run),
         slowest=_slowest_rows(run), capacity=_capacity_rows(run),
         figures=[(name, Markup(svg), caption) for name, svg, caption in figures],
@@ -880,7 +887,7 @@ def render_summary_table(data: Mapping[str, Any]) -> RenderableType:
             lv = run.levels[index]
             verdict = _verdict(lv)
             table.add_row(
-                f"×{lv.concurrency}", f"{lv.calls:,}", f"{lv.refused:,}", f"{lv.errors:,}",
+                lv.label, f"{lv.calls:,}", f"{lv.refused:,}", f"{lv.errors:,}",
                 _fmt(lv.ttfa.p50), _fmt(lv.ttfa.p95), _fmt(lv.ttfa.p99), f"{lv.gaps:,}",
                 _fmt(lv.mos, 2),
                 f"[{_STYLES[verdict]}]{verdict}[/]" if verdict in _STYLES else verdict,
@@ -889,21 +896,21 @@ def render_summary_table(data: Mapping[str, Any]) -> RenderableType:
         parts.append(table)
         for index in indexes:
             lv = run.levels[index]
-            line = (f"×{lv.concurrency}: {lv.calls:,} calls placed "
+            line = (f"{lv.label}: {lv.calls:,} calls placed "
                     f"({_fmt(lv.placed_per_s, 2)}/s), {lv.completed:,} completed, "
                     f"{lv.refused:,} refused, {lv.errors:,} failed")
             parts.append(Text(line))
             if lv.characters_per_s:
-                parts.append(Text(f"×{lv.concurrency}: {lv.characters_per_s:,.1f} characters/s "
+                parts.append(Text(f"{lv.label}: {lv.characters_per_s:,.1f} characters/s "
                                   "synthesised (live sentences heard whole)"))
     captions = []
     if m.slo:
         state = {True: "met", False: "missed", None: "not evaluated"}[m.slo_passed]
         captions.append(f"SLO {m.slo}: {state}")
-    withheld = [lv.concurrency for lv in run.levels if lv.withheld]
+    withheld = [lv for lv in run.levels if lv.withheld]
     if withheld:
-        captions.append("latency figures withheld at concurrency "
-                        + ", ".join(str(c) for c in withheld)
+        captions.append("latency figures withheld at "
+                        + ", ".join(lv.label for lv in withheld)
                         + " (simulator lateness too large; add --workers)")
     for caption in captions:
         parts.append(Text(caption))

@@ -252,7 +252,17 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
         await http.aclose()
     return Level(concurrency, calls, lateness_ms=ticker.lateness_ms,
                  withhold_fraction=config.withhold_fraction,
-                 duration_s=time.monotonic() - began, pattern=config.pattern)
+                 duration_s=time.monotonic() - began, pattern=config.pattern,
+                 offered=offered_label(config, concurrency))
+
+
+def offered_label(config: LoadConfig, concurrency: int) -> str:
+    """The load a level offered, as people read it."""
+    if config.pattern == "rate":
+        return f"{config.rate:g}/s"
+    if config.pattern == "ramp":
+        return f"×{config.ramp_from}→{concurrency}"
+    return f"×{concurrency}"
 
 
 # --- one scenario, either transport ------------------------------------------------------------
@@ -673,7 +683,7 @@ def run_level(config: LoadConfig, concurrency: int, level: int,
         result = Level(concurrency, calls, lateness_ms=lateness,
                        withhold_fraction=config.withhold_fraction,
                        duration_s=max(part["duration_s"] for part in parts),
-                       pattern=config.pattern)
+                       pattern=config.pattern, offered=offered_label(config, concurrency))
     result.gateway = metrics_delta(before, scrape_metrics(config.http_base()))
     return result
 
@@ -715,5 +725,5 @@ def levels_from_document(document: dict[str, Any]) -> list[Level]:
                             duration_s=summary.get("duration_s"),
                             pattern=summary.get("pattern", "concurrency"),
                             gateway=summary.get("gateway"), speech=summary.get("speech"),
-                            target=summary.get("target")))
+                            target=summary.get("target"), offered=summary.get("offered")))
     return levels
