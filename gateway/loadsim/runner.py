@@ -167,6 +167,15 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
 
     from gateway.loadsim.twilio_caller import Ticker
 
+    # What the calls import, imported before the level's clock starts: a first import inside
+    # the first call (scipy through gateway.audio: 1.2 s; gateway.demo: 1.6 s) stalls every
+    # caller of the process and lands in the first turns' latency.
+    if config.transport == "sip":
+        import gateway.loadsim.sip_caller
+    if config.scenario == "live":
+        import gateway.demo  # noqa: F401
+
+        config.greeting_text()
     ticker = Ticker()
     ticker.start()
     rng = random.Random(config.seed * 1000 + worker)
@@ -302,8 +311,6 @@ async def _scenario(config: LoadConfig, leg: _Leg, t0: float, rng: random.Random
                     ) -> tuple[list[tuple[Turn, float]], str | None]:
     """Run the scenario; returns the turns (with their monotonic times) and, when one went
     unanswered, why."""
-    from gateway.demo import digit_sentence
-
     timeout = config.turn_timeout_s
     live = config.scenario == "live"
     answered = leg.answered_at
@@ -349,6 +356,8 @@ async def _scenario(config: LoadConfig, leg: _Leg, t0: float, rng: random.Random
                 return turns, (f"{gone} before the sentence of {what} ended" if gone else
                                f"the sentence of {what} never ended (no end within "
                                f"{UTTERANCE_LIMIT_S:g} s)")
+            from gateway.demo import digit_sentence  # imported before the clock started
+
             turn.chars = len(digit_sentence(keys))
     if config.scenario == "barge-in":
         return turns, None
