@@ -339,11 +339,11 @@ def test_capacity_for_cached_and_live_speech_and_the_price_of_a_million_characte
     assert capacity["live"]["characters_per_s"] == spoken["characters_per_s"]
     cost = 2.16 / 3600 / spoken["characters_per_s"] * 1e6
     assert capacity["live"]["cost_per_million_chars"] == pytest.approx(cost)
-    lines = " ".join(out.split())
-    assert f"cached speech (menu → {gateway.base_url}): 1 concurrent call" in lines
-    assert (f"live speech (live → {live.base_url}): 1 concurrent call, "
-            f"{spoken['characters_per_s']:,.1f} characters/s synthesised") in lines
-    assert f"at $2.16/hour: ${cost:,.2f} per million characters" in lines
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert f"  cached speech: 1 concurrent call (menu → {gateway.base_url})" in out
+    assert f"  live speech: 1 concurrent call (live → {live.base_url})" in out
+    assert (f"    {spoken['characters_per_s']:,.1f} characters/s synthesised; at $2.16/hour: "
+            f"${cost:,.2f} per million characters") in out
     print(f"\nlive speech at 1 call: {spoken['characters_per_s']:.1f} characters/s, "
           f"${cost:,.0f} per million characters at $2.16/h")
 

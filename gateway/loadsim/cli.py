@@ -340,7 +340,7 @@ def capacity(target: TargetArg, slo: Annotated[str, typer.Option(
     document["meta"]["capacity"] = results
     _finish(document, json_out, html_out)
     out = Console()
-    out.print(f"capacity at {slo} (refused=0) per gateway machine:", highlight=False)
+    out.print(f"capacity per gateway machine at {slo} (refused=0):", highlight=False)
     for line in capacity_lines(results):
         out.print(f"  {line}", highlight=False)
     missing = [speech for speech, r in results.items() if r["concurrency"] is None]
@@ -349,20 +349,38 @@ def capacity(target: TargetArg, slo: Annotated[str, typer.Option(
                            f"{' and '.join(missing)} speech")
 
 
+def money(value: float) -> str:
+    """Dollars as people write them: cents when that is exact, else the digits given."""
+    return f"${value:,.2f}" if round(value, 2) == value else f"${value:,.4g}"
+
+
 def capacity_lines(results: dict[str, dict[str, Any]]) -> list[str]:
-    """The capacity report in words, one line per finding."""
+    """The capacity report in words: per speech, the calls and where they were measured, then
+    the engine's throughput and price at that level."""
     lines = []
     for speech, r in results.items():
         best = r["concurrency"]
         calls = "none" if best is None else f"{best} concurrent call{'s' if best != 1 else ''}"
-        line = f"{speech} speech ({r['scenario']} → {r['target']}): {calls}"
+        lines.append(f"{speech} speech: {calls} ({r['scenario']} → {r['target']})")
+        detail = []
         if r["characters_per_s"]:
-            line += f", {r['characters_per_s']:,.1f} characters/s synthesised"
-        lines.append(line)
+            detail.append(f"{r['characters_per_s']:,.1f} characters/s synthesised")
         if r["cost_per_million_chars"] is not None:
-            lines.append(f"at ${r['hourly_cost']:,.2f}/hour: "
-                         f"${r['cost_per_million_chars']:,.2f} per million characters")
+            detail.append(f"at {money(r['hourly_cost'])}/hour: "
+                          f"{money(round(r['cost_per_million_chars'], 2))} per million "
+                          "characters")
+        if detail:
+            lines.append("  " + "; ".join(detail))
     return lines
+
+
+def _merged_offered(so_far: str | None, level: Level) -> str | None:
+    """Hosts' offered loads add up: callers to callers, arrival rates to arrival rates."""
+    if level.pattern != "rate" or not (level.offered or "").endswith("/s"):
+        return None  # the summed concurrency says it
+    rate = float((level.offered or "0/s")[:-2])
+    before = float(so_far[:-2]) if so_far and so_far.endswith("/s") else 0.0
+    return f"{before + rate:g}/s"
 
 
 @loadsim_app.command("merge")
@@ -381,6 +399,7 @@ def merge(files: Annotated[list[Path], typer.Argument(help="Result files (--json
             target.lateness_ms.extend(level.lateness_ms)
             # Hosts run side by side: the level lasted as long as the longest of them.
             target.duration_s = max(target.duration_s or 0.0, level.duration_s or 0.0) or None
+            target.offered = _merged_offered(target.offered, level)
     config = LoadConfig(target=",".join(d["meta"]["target"] for d in documents),
                         transport=documents[0]["meta"]["transport"],
                         scenario=documents[0]["meta"]["scenario"],
