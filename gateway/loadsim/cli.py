@@ -334,8 +334,8 @@ def capacity(target: TargetArg, slo: Annotated[str, typer.Option(
         }
     _warn(warnings, _refusal_note(levels))
     everything_met = all(r["concurrency"] is not None for r in results.values())
-    document = result_document(config, levels, started, time.monotonic() - t0,
-                               ",".join(f"{c.metric}{c.op}{c.value:g}" for c in clauses),
+    implied = "" if len(clauses) == len(parse_slo(slo)) else ",refused=0"
+    document = result_document(config, levels, started, time.monotonic() - t0, slo + implied,
                                everything_met, verdicts, warnings)
     document["meta"]["capacity"] = results
     _finish(document, json_out, html_out)
