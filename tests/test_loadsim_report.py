@@ -284,8 +284,9 @@ def test_progress_line_never_wraps() -> None:
     state = {"concurrency": 20, "elapsed": 12.345, "active": 16, "placed": 40, "refused": 4,
              "failed": 0, "ttfa_p95": 180.4, "lateness_ms": 1.23}
     line = progress_line(state, 80)
-    assert line == ("x20  12.3s  active 16  placed 40  refused 4  failed 0  p95 180ms  "
+    assert line == ("×20  12.3s  active 16  placed 40  refused 4  failed 0  p95 180ms  "
                     "late 1.2ms")
+    assert progress_line({**state, "offered": "5/s"}, 80).startswith("5/s  12.3s  active 16")
     huge = {**state, "concurrency": 10_000, "active": 9_999, "placed": 1_234_567,
             "refused": 1_000_000, "failed": 99_999, "ttfa_p95": 123_456.0}
     for width in (40, 80):

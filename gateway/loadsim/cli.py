@@ -80,7 +80,8 @@ def _config(target: str, transport: str, scenario: str, digits: str, think: floa
 def progress_line(state: dict[str, Any], width: int) -> str:
     """One status line, cut to ``width - 1`` columns so a terminal never wraps it."""
     p95 = state["ttfa_p95"]
-    line = (f"x{state['concurrency']} {state['elapsed']:5.1f}s  active {state['active']}  "
+    offered = state.get("offered") or f"×{state['concurrency']}"
+    line = (f"{offered} {state['elapsed']:5.1f}s  active {state['active']}  "
             f"placed {state['placed']}  refused {state['refused']}  failed {state['failed']}  "
             f"p95 {'-' if p95 is None else f'{p95:,.0f}ms'}  "
             f"late {state['lateness_ms']:.1f}ms")

@@ -229,7 +229,9 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
             if progress is not None:
                 firsts = sorted(t.first_audio_ms for c in calls for t in c.turns
                                 if t.first_audio_ms is not None)
-                progress({"level": level, "concurrency": concurrency, "active": counters.active,
+                progress({"level": level, "concurrency": concurrency,
+                          "offered": offered_label(config, concurrency),
+                          "active": counters.active,
                           "placed": counters.placed, "refused": counters.refused,
                           "failed": counters.failed,
                           "ttfa_p95": firsts[int(0.95 * (len(firsts) - 1))] if firsts else None,
