@@ -169,14 +169,15 @@ def serve(
         timeout_graceful_shutdown=5,
         proxy_headers=True,
     )
-    server = DrainingServer(config, fastapi_app.state.gateway)
+    gateway = fastapi_app.state.gateway
+    server = DrainingServer(config, gateway.drain)
     failure: list[str] = []
 
     def on_fatal(message: str) -> None:
         failure.append(message)
         server.should_exit = True
 
-    fastapi_app.state.gateway.on_fatal = on_fatal
+    gateway.readiness.on_fatal = on_fatal
     server.run()
     if failure:
         raise GatewayError(failure[0])
@@ -206,6 +207,7 @@ def say(
     import numpy as np
     import soundfile as sf
 
+    from gateway.app import conditioning
     from gateway.audio.framer import PhonePipeline
     from gateway.audio.g711 import ulaw_decode
     from gateway.tts.engine import SpeechRequest
@@ -219,12 +221,13 @@ def say(
     engine = QwenEngine(
         model=settings.model, device=settings.device, dtype=settings.dtype,
         chunk_schedule=settings.chunk_schedule, max_seq_len=settings.max_seq_len,
-        codec_decode=settings.codec_decode, trim_leading_silence=settings.trim_leading_silence,
+        codec_decode=settings.codec_decode, trim_leading_silence=False,
         adaptive_chunks=settings.adaptive_chunks,
     )
     request = SpeechRequest(text=text, speaker=settings.speaker, language=settings.language,
                             instruct=settings.instruct, seed=seed)
-    pipeline = PhonePipeline(codec="pcmu")
+    # The callers' own phone path: trim and level (gateway.audio.condition), 8 kHz, G.711.
+    pipeline = PhonePipeline(codec="pcmu", conditioner=conditioning(settings).new())
     frames: list[bytes] = []
     t0 = time.perf_counter()
     first: float | None = None
@@ -385,9 +388,11 @@ def prompts_render(
     except ScriptError as exc:
         raise GatewayError(f"invalid script:\n{exc}") from None
     _require_model(settings.model)
+    from gateway.app import conditioning
+
     engine = QwenEngine(model=settings.model, device=settings.device, dtype=settings.dtype,
-                        codec_decode=settings.codec_decode,
-                        trim_leading_silence=settings.trim_leading_silence)
+                        codec_decode=settings.codec_decode, trim_leading_silence=False)
+    phone = conditioning(settings)
     cache = PromptCache(settings.cache_dir, max_memory_bytes=1)
     todo = []
     hits = 0
@@ -405,7 +410,7 @@ def prompts_render(
         task = progress.add_task("rendering prompts", total=len(todo))
         for script, voice, key, text in todo:
             t0 = time.perf_counter()
-            cache.put(key, render_blocking(engine, request_for(script, text, voice)),
+            cache.put(key, render_blocking(engine, request_for(script, text, voice), phone),
                       render_s=time.perf_counter() - t0)
             progress.advance(task)
     typer.echo(f"{hits} already cached, {len(todo)} rendered into {settings.cache_dir} "

@@ -39,10 +39,28 @@ class Settings(BaseSettings):
         "1,2,4,8",
         description="Codec frames (80 ms each) per streamed chunk; the last entry repeats.",
     )
+    engine: Literal["batched", "slots"] = Field(
+        "batched",
+        description="batched: one stepping loop per device advances every live turn in one "
+        "batched step (the default); slots: GATEWAY_SLOTS independent batch-1 engines (the "
+        "baseline bench/batching.py compares against).",
+    )
+    batch_rows: int | None = Field(
+        None, ge=1, le=256,
+        description="Batch cap: turns one device generates at once, each a row of the static "
+        "KV cache allocated at start (default 64 on CUDA, 16 on CPU); more wait in deadline "
+        "order.",
+    )
+    prefill_chunk: int = Field(
+        0, ge=0, le=4096,
+        description="Prompt tokens per prefill chunk run between batched steps (0: whole "
+        "prompts). Smaller chunks bound how long a newcomer's prefill can hold the running "
+        "turns back on a slow device.",
+    )
     slots: int = Field(
         1, ge=1, le=64,
-        description="Engine slots per GPU: concurrent generations, each with its own KV cache "
-        "and CUDA graphs over shared weights.",
+        description="With GATEWAY_ENGINE=slots: engine slots per GPU, each generating one turn "
+        "at a time with its own KV cache and CUDA graphs over shared weights.",
     )
     adaptive_chunks: bool = Field(
         True,
@@ -55,10 +73,20 @@ class Settings(BaseSettings):
         "re-decode 25 frames of left context each chunk (windowed, faster-qwen3-tts's way).",
     )
     trim_leading_silence: bool = Field(
-        True, description="Drop the silence before speech onset in each utterance's first chunk."
+        True, description="Drop the silence before speech onset of each utterance (phone path)."
+    )
+    normalize_level: bool = Field(
+        True,
+        description="Bring each utterance towards GATEWAY_LEVEL_TARGET_DBFS and limit its peaks "
+        "to -1 dBFS (look-ahead), so loud TTS never clips in G.711 (phone path).",
+    )
+    level_target_dbfs: float = Field(
+        -20.0, ge=-40, le=-6, description="Active-speech RMS level the phone path aims for."
     )
     max_seq_len: int | None = Field(
-        None, ge=128, description="Talker static-cache length (default 2048 on CUDA, 1024 on CPU)."
+        None, ge=128,
+        description="Talker static-cache length per turn (prompt plus frames; default 2048 on "
+        "CUDA, 1024 on CPU).",
     )
     first_audio_budget_ms: int = Field(
         200, ge=1, description="First-audio target; queued turns are served by this deadline."

@@ -1,14 +1,19 @@
-"""The first-call dialog: greet on answer, read back each key the caller presses.
+"""The greeter: the dialog a gateway runs when no IVR script is configured (``GATEWAY_SCRIPT``).
 
-It is the smallest dialog that exercises everything a real IVR needs from a call (speak on
-answer, DTMF, barge-in, a live generation per caller turn); the IVR runner replaces it.
+It greets on answer and reads back each key the caller presses, every sentence generated live:
+the smallest dialog that exercises what the IVR runner (:mod:`gateway.ivr.runner`) also relies
+on (speak on answer, DTMF, barge-in, a live generation per caller turn, an apology when the
+engine fails), with no script, prompt cache or backend to set up. ``./run.sh serve --insecure
+--model tiny`` without ``--script`` answers with it.
 """
 
 from __future__ import annotations
 
 import logging
 
-from gateway.call import Call, Dtmf, Hangup, SpeechFailed
+from gateway.call.events import Dtmf, Hangup, SpeechFailed
+from gateway.call.session import Call, Dialog
+from gateway.speech import Speaker
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +27,12 @@ def digit_sentence(digit: str) -> str:
     return f"You pressed {word}, the {digit} key." if word else f"You pressed {digit}."
 
 
-async def greeter(call: Call, greeting: str) -> None:
+async def greeter(call: Call, speaker: Speaker, greeting: str) -> None:
     """Speak ``greeting``; on each DTMF digit barge in and speak a sentence with the digit.
 
     If an utterance fails inside the engine, apologise once (not for a failed apology).
     """
-    call.say(greeting, turn_started_at=call.answered_at)
+    speaker.say(call, greeting, turn_started_at=call.answered_at)
     apologies: set[str] = set()
     while True:
         event = await call.events.get()
@@ -35,9 +40,23 @@ async def greeter(call: Call, greeting: str) -> None:
             return
         if isinstance(event, SpeechFailed):
             if event.utterance_id not in apologies and not call.speaking:
-                apologies.add(call.say(APOLOGY, turn_started_at=event.at).id)
+                apologies.add(speaker.say(call, APOLOGY, turn_started_at=event.at).id)
             continue
         if isinstance(event, Dtmf):
             if call.speaking:
                 await call.barge_in()
-            call.say(digit_sentence(event.digit), turn_started_at=event.at)
+            speaker.say(call, digit_sentence(event.digit), turn_started_at=event.at)
+
+
+class GreeterDialogs:
+    """The :class:`~gateway.call.lifecycle.DialogFactory` of a gateway without a script."""
+
+    def __init__(self, speaker: Speaker, greeting: str) -> None:
+        self.speaker = speaker
+        self.greeting = greeting
+
+    def for_call(self, call: Call) -> Dialog:
+        return self._run
+
+    async def _run(self, call: Call) -> None:
+        await greeter(call, self.speaker, self.greeting)

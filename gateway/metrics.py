@@ -83,14 +83,38 @@ class Metrics:
             registry=r,
         )
         self.tts_busy_slots = Gauge(
-            "gateway_tts_busy_slots", "Engine slots generating now.", registry=r
+            "gateway_tts_busy_slots",
+            "Turns generating now (batch rows in use, or engine slots busy).", registry=r
         )
         self.tts_queue_depth = Gauge(
-            "gateway_tts_queue_depth", "Generations waiting for a slot.", registry=r
+            "gateway_tts_queue_depth", "Generations waiting for a batch row (or slot).",
+            registry=r
         )
         self.tts_queue_wait = Histogram(
-            "gateway_tts_queue_wait_seconds", "Submission to a slot starting the turn.",
+            "gateway_tts_queue_wait_seconds",
+            "Submission to the turn getting a batch row (or slot).",
             buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.tts_batch_size = Histogram(
+            "gateway_tts_batch_size", "Rows advanced per batched step.",
+            buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256), registry=r,
+        )
+        self.tts_step_seconds = Histogram(
+            "gateway_tts_step_seconds",
+            "Wall time of one batched step (code predictor then talker for every row).",
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1, 2, 5),
+            registry=r,
+        )
+        self.tts_prefill_seconds = Histogram(
+            "gateway_tts_prefill_seconds", "Wall time of one prefill chunk run between steps.",
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 5),
+            registry=r,
+        )
+        self.tts_rows_waiting = Gauge(
+            "gateway_tts_rows_waiting",
+            "Rows that did not advance in the last batched step: waiting on their consumer "
+            "(backpressure), yielding to an urgent turn (urgency), or still prefilling.",
+            ["reason"], registry=r,
         )
         self.tts_cancel_to_free = Histogram(
             "gateway_tts_cancel_to_free_seconds", "Cancel (hang-up, barge-in) to the slot free.",

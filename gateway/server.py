@@ -14,11 +14,10 @@ import asyncio
 import logging
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
-
-from gateway.app import GatewayState
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +25,9 @@ log = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """``uvicorn.Server`` whose exit signals drain the gateway first."""
 
-    def __init__(self, config: uvicorn.Config, state: GatewayState) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
         super().__init__(config)
-        self.gateway = state
+        self._drain_gateway = drain
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
 
@@ -54,6 +53,6 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         try:
-            await self.gateway.drain()
+            await self._drain_gateway()
         finally:
             self.should_exit = True

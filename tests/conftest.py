@@ -1,39 +1,62 @@
-"""Shared fixtures: the tiny checkpoint and a real gateway server on an ephemeral port."""
+"""Shared fixtures: the tiny checkpoint and real gateway servers on ephemeral ports.
+
+Nothing heavy is imported at module level: the pure protocol tests (SIP, SDP, RTP, digest,
+Twilio messages, G.711, the decimator) run on an install without torch
+(tests/test_architecture.py checks it in a subprocess that cannot import torch).
+
+Two ways to serve a gateway:
+
+- :func:`serve`: uvicorn in a background thread on real time (peers in other processes or
+  threads: baresip, SIPp, Kamailio; timing that is the point of a test).
+- :func:`serve_virtual`: uvicorn in a :class:`virtual_time.VirtualTimeLoop` with the gateway's
+  clock on that loop's virtual time; the test's callers and backend run in the same loop, so
+  timeouts, pacing and grace periods cost no real time.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import socket
+import sys
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import httpx
 import pytest
-import torch
-import uvicorn
-from fastapi import FastAPI
 
-from gateway.app import GatewayState, create_app
-from gateway.config import Settings
+if TYPE_CHECKING:
+    import uvicorn
+
+    from gateway.app import Gateway
 
 AUTH_TOKEN = "test-auth-token-0123456789abcdef"
+T = TypeVar("T")
 
-# Two cores on CI: keep torch from oversubscribing them while the server and client share them.
-torch.set_num_threads(1)
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Two cores on CI: keep torch from oversubscribing them while the server and client share
+    # them. Only where a collected test module brought torch in.
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip GPU-marked tests only when no CUDA device exists (CPU twins cover the behaviour)."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch
+
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; covered on CPU by the tiny model")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu_items:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +91,7 @@ class LiveServer:
 
     base_url: str
     ws_url: str
-    state: GatewayState
+    gateway: Gateway
     server: uvicorn.Server
 
 
@@ -79,44 +102,176 @@ def _free_socket() -> socket.socket:
     return sock
 
 
-@contextlib.contextmanager
-def serve(settings_overrides: dict[str, object], engine_factory=None) -> Iterator[LiveServer]:  # type: ignore[no-untyped-def]
-    """Run a real gateway until the block exits; waits for /readyz first."""
-    sock = _free_socket()
-    port = sock.getsockname()[1]
-    base_url = f"http://127.0.0.1:{port}"
+def _settings(base_url: str, overrides: dict[str, object]) -> Any:
+    from gateway.config import Settings
+
     values: dict[str, object] = {
         "twilio_auth_token": AUTH_TOKEN,
         "public_url": base_url,
         "device": "cpu",
     }
-    values.update(settings_overrides)
-    settings = Settings(**values)  # type: ignore[arg-type]
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def serve(settings_overrides: dict[str, object], engine_factory=None) -> Iterator[LiveServer]:  # type: ignore[no-untyped-def]
+    """Run a real gateway (real time) until the block exits; waits until it is ready."""
+    import uvicorn
+
+    from gateway.app import create_app
+
+    sock = _free_socket()
+    port = sock.getsockname()[1]
+    base_url = f"http://127.0.0.1:{port}"
+    settings = _settings(base_url, settings_overrides)
     app = create_app(settings, engine_factory) if engine_factory else create_app(settings)
     config = uvicorn.Config(
         app, log_level="warning", ws_max_size=settings.ws_max_size, lifespan="on"
     )
-    server = uvicorn.Server(config)
+    listening = threading.Event()
+    server = _server(config, listening.set)
+    gateway: Gateway = app.state.gateway
+    settled = threading.Event()
+    gateway.readiness.when_settled(settled.set)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    state: GatewayState = app.state.gateway
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if state.load_error:
-                raise RuntimeError(state.load_error)
-            try:
-                if httpx.get(f"{base_url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        else:
+        if not settled.wait(120):
             raise RuntimeError("gateway did not become ready in 120 s")
-        yield LiveServer(base_url, f"ws://127.0.0.1:{port}/twilio/media", state, server)
+        if gateway.readiness.load_error:
+            raise RuntimeError(gateway.readiness.load_error)
+        if not listening.wait(30):
+            raise RuntimeError("gateway ready but not listening")
+        yield LiveServer(base_url, f"ws://127.0.0.1:{port}/twilio/media", gateway, server)
     finally:
         server.should_exit = True
         thread.join(30)
+        sock.close()
+
+
+def _server(config: uvicorn.Config, on_started: Callable[[], None], *, quiet: bool = False
+            ) -> uvicorn.Server:
+    """A uvicorn Server that says when it is listening (``on_started``, on its loop); ``quiet``:
+    without its signal handlers (a server inside the test's own thread keeps Ctrl-C for pytest).
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            on_started()
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if quiet:
+                yield
+            else:
+                with super().capture_signals():
+                    yield
+
+    return Server(config)
+
+
+@dataclass
+class VirtualServer:
+    """A gateway served by uvicorn inside a :class:`virtual_time.VirtualTimeLoop`.
+
+    Tests drive it with :meth:`run`: the coroutine runs in the gateway's own loop, so callers
+    made there (``FakeTwilioCall``, httpx.AsyncClient) share its virtual time.
+    """
+
+    base_url: str
+    ws_url: str
+    gateway: Gateway
+    server: uvicorn.Server
+    loop: Any
+
+    def run(self, coroutine: Awaitable[T], *, realtime: bool = False) -> T:
+        """Run ``coroutine`` to completion in the gateway's loop (virtual time unless
+        ``realtime``)."""
+        self.loop.realtime = realtime
+        try:
+            return self.loop.run_until_complete(coroutine)  # type: ignore[no-any-return]
+        finally:
+            self.loop.realtime = False
+
+
+def on_virtual_time(server_fixture: str, *, realtime: bool = False
+                    ) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., T]]:
+    """Run an ``async def`` test in the loop of the :class:`VirtualServer` fixture named
+    ``server_fixture`` (its callers then share the gateway's virtual time)."""
+
+    def decorate(test: Callable[..., Awaitable[T]]) -> Callable[..., T]:
+        @functools.wraps(test)
+        def run(*args: Any, **kwargs: Any) -> T:
+            server: VirtualServer = kwargs[server_fixture]
+            return server.run(test(*args, **kwargs), realtime=realtime)
+
+        return run
+
+    return decorate
+
+
+@contextlib.contextmanager
+def virtual_loop() -> Iterator[Any]:
+    """A fresh :class:`virtual_time.VirtualTimeLoop` for the block (closed after)."""
+    from virtual_time import VirtualTimeLoop
+
+    loop = VirtualTimeLoop()
+    try:
+        yield loop
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+@contextlib.contextmanager
+def serve_virtual(settings_overrides: dict[str, object], engine_factory=None,  # type: ignore[no-untyped-def]
+                  *, loop: Any = None) -> Iterator[VirtualServer]:
+    """Run a real gateway in a virtual-time loop until the block exits (ready on entry).
+
+    ``loop``: a :func:`virtual_loop` that peers (a backend) already run in; default a new one.
+    """
+    if loop is None:
+        with virtual_loop() as own, serve_virtual(settings_overrides, engine_factory,
+                                                  loop=own) as live:
+            yield live
+        return
+    import uvicorn
+    from clocks import LoopClock
+
+    from gateway.app import create_app
+
+    sock = _free_socket()
+    port = sock.getsockname()[1]
+    base_url = f"http://127.0.0.1:{port}"
+    settings = _settings(base_url, settings_overrides)
+    clock = LoopClock(loop)
+    app = (create_app(settings, engine_factory, clock=clock) if engine_factory
+           else create_app(settings, clock=clock))
+    config = uvicorn.Config(
+        app, log_level="warning", ws_max_size=settings.ws_max_size, lifespan="on"
+    )
+    listening = asyncio.Event()
+    server = _server(config, listening.set, quiet=True)
+    gateway: Gateway = app.state.gateway
+
+    async def up() -> asyncio.Task[None]:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        await gateway.readiness.settled()
+        await listening.wait()
+        return task
+
+    task = loop.run_until_complete(up())
+    try:
+        if gateway.readiness.load_error:
+            raise RuntimeError(gateway.readiness.load_error)
+        yield VirtualServer(base_url, f"ws://127.0.0.1:{port}/twilio/media", gateway, server,
+                            loop)
+    finally:
+        server.should_exit = True
+        loop.run_until_complete(task)
         sock.close()
 
 
@@ -128,6 +283,51 @@ def live_gateway(tiny_model_dir: Path) -> Iterator[LiveServer]:
 
 
 DEMO_SCRIPT = Path(__file__).resolve().parent.parent / "prompts" / "demo.yaml"
+
+
+@pytest.fixture(scope="session")
+def demo_realtime(tiny_model_dir: Path, demo_cache_dir: Path
+                  ) -> Iterator[tuple[LiveServer, list[dict[str, Any]]]]:
+    """The demo IVR on real time, Twilio and SIP (its backend in a thread): for real peers
+    (baresip, SIPp) and for latency that must be measured on the real clock. SIP on an
+    ephemeral UDP port of 127.0.0.1 (allow-list 127.0.0.1/32), a 300 ms ring before answering,
+    T1 = 100 ms."""
+    with backend() as (url, seen), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ACME_BACKEND_URL", url)
+        with serve(
+            {
+                "model": str(tiny_model_dir),
+                "script": str(DEMO_SCRIPT),
+                "cache_dir": str(demo_cache_dir),
+                "sip": "127.0.0.1:0",
+                "sip_allow": "127.0.0.1/32",
+                "max_calls": 32,
+                "sip_answer_delay_ms": 300,
+                "sip_t1_ms": 100,
+                "rtp_ports": "24000-24999",
+            }
+        ) as live:
+            yield live, seen
+
+
+@pytest.fixture(scope="session")
+def demo_virtual(tiny_model_dir: Path, demo_cache_dir: Path
+                 ) -> Iterator[tuple[VirtualServer, list[dict[str, Any]]]]:
+    """The demo IVR on virtual time, Twilio and SIP (its backend in the same loop), shared by
+    the modules whose callers run in its loop: one start-up for all of them. Yields the server
+    and the requests the backend saw."""
+    with virtual_loop() as loop:
+        backend = loop.run_until_complete(LoopBackend().start())
+        try:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("ACME_BACKEND_URL", backend.url)
+                with serve_virtual({"model": str(tiny_model_dir), "script": str(DEMO_SCRIPT),
+                                    "cache_dir": str(demo_cache_dir), "max_calls": 32,
+                                    "sip": "127.0.0.1:0", "sip_allow": "127.0.0.1/32",
+                                    "rtp_ports": "26000-26999"}, loop=loop) as live:
+                    yield live, backend.seen
+        finally:
+            loop.run_until_complete(backend.stop())
 
 
 @pytest.fixture(scope="session")
@@ -154,11 +354,10 @@ def demo_cache_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
     return cache
 
 
-@contextlib.contextmanager
-def backend() -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """The company's account service: POST /accounts/lookup."""
+def _backend_app(seen: list[dict[str, Any]]) -> Any:
+    from fastapi import FastAPI
+
     app = FastAPI()
-    seen: list[dict[str, Any]] = []
 
     @app.post("/accounts/lookup")
     async def lookup(body: dict[str, Any]) -> dict[str, str]:
@@ -166,17 +365,59 @@ def backend() -> Iterator[tuple[str, list[dict[str, Any]]]]:
         account = body["variables"]["account_number"]
         return {"first_name": "Dana", "balance": f"{int(account) % 1000}.10", "due_date": "March 3"}
 
+    return app
+
+
+@contextlib.contextmanager
+def backend() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """The company's account service: POST /accounts/lookup (its own thread, real time)."""
+    import uvicorn
+
+    seen: list[dict[str, Any]] = []
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    started = threading.Event()
+    server = _server(uvicorn.Config(_backend_app(seen), log_level="warning"), started.set)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    while not server.started:
-        time.sleep(0.01)
+    if not started.wait(30):
+        raise RuntimeError("the backend did not start")
     try:
         yield url, seen
     finally:
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+class LoopBackend:
+    """The same account service served inside an event loop (a virtual-time loop's peer)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self.url = ""
+        self._task: asyncio.Task[None] | None = None
+        self._server: Any = None
+        self._sock: socket.socket | None = None
+
+    async def start(self) -> LoopBackend:
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        started = asyncio.Event()
+        self._server = _server(uvicorn.Config(_backend_app(self.seen), log_level="warning"),
+                               started.set, quiet=True)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        await started.wait()
+        self._sock = sock
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+        if self._sock is not None:
+            self._sock.close()

@@ -309,3 +309,31 @@ def test_per_frame_cost_is_small_enough_to_run_on_the_event_loop() -> None:
     per_frame = (time.perf_counter() - start) / len(frames)
     # Measured ~0.1 ms per 20 ms frame on one core; a loaded 2-core CI box gets 10x headroom.
     assert per_frame < 1e-3, f"{per_frame * 1e6:.0f} us per frame"
+
+
+# --- A-law calls: decoded as A-law, once ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["I'd like to check my balance", "operator please"])
+def test_an_alaw_call_is_detected_like_a_mulaw_call(text: str) -> None:
+    """A SIP call negotiated on PCMA feeds its A-law frames straight in (no transcoding to
+    mu-law per packet): the same speech fires once, within a window of the mu-law detector."""
+    from gateway.audio.g711 import alaw_encode
+
+    x = np.concatenate([_silence(1.0), _say(text), _silence(1.0)])
+    mulaw = _run(SpeechStartDetector(), x)
+    det = SpeechStartDetector(codec="pcma")
+    fired = []
+    for i, frame in enumerate(_frames(alaw_encode(float_to_int16(x.astype(np.float32))))):
+        if det.push(frame):
+            fired.append((i + 1) * FRAME / RATE)
+    assert len(fired) == 1 and len(mulaw) == 1, (fired, mulaw)
+    assert abs(fired[0] - mulaw[0]) <= WINDOW_S + 1e-9
+    # A-law's linear zero is 0xD5: digital silence on an A-law call is silence too.
+    silent = SpeechStartDetector(min_speech_ms=100, codec="pcma")
+    assert not any(silent.push(bytes([0xD5]) * FRAME) for _ in range(200))
+
+
+def test_an_unknown_codec_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"G\.711 codec"):
+        SpeechStartDetector(codec="opus")  # type: ignore[arg-type]

@@ -3,7 +3,7 @@
 Twilio calls are admitted by the voice webhook, which holds a place until the Media Stream
 connects; a caller beyond the budget hears the busy message and is hung up. A stream that
 arrives without the webhook (TwiML served elsewhere) is admitted on its own, or closed with
-1013. SIP gets what Twilio calls leave: an INVITE beyond the budget gets 486.
+1013. SIP asks the same admission: an INVITE beyond the budget gets 486.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from conftest import AUTH_TOKEN, LiveServer, serve
 from sip_peers import run_sipp
 from twilio.request_validator import RequestValidator
 from twilio_client import FakeTwilioCall
-
-import gateway.app as app_module
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +40,7 @@ def _voice(live: LiveServer, call_sid: str) -> ET.Element:
 
 
 def _refused(live: LiveServer, reason: str) -> float:
-    return live.state.metrics.calls_refused.labels("twilio", reason)._value.get()
+    return live.gateway.metrics.calls_refused.labels("twilio", reason)._value.get()
 
 
 def _call(live: LiveServer, n: int) -> FakeTwilioCall:
@@ -53,17 +51,18 @@ def _call(live: LiveServer, n: int) -> FakeTwilioCall:
 async def test_the_budget_is_shared_by_webhook_reservations_streams_and_sip(
     small: LiveServer, tmp_path: Path
 ) -> None:
-    state = small.state
+    gateway = small.gateway
     first, second, third = (f"CA{n:032d}" for n in (1, 2, 3))
     assert _voice(small, first).find("Connect") is not None
     assert _voice(small, second).find("Connect") is not None
     # Two places held: the third caller is told and hung up, with no stream.
     busy = _voice(small, third)
     assert [child.tag for child in busy] == ["Say", "Hangup"]
-    assert busy[0].text == state.settings.busy_message
+    assert busy[0].text == gateway.settings.busy_message
     assert _refused(small, "at_capacity") == 1
     # SIP sees the budget taken by the reservations: 486.
-    sip_target = state.sip.local_addr
+    assert gateway.sip is not None and gateway.sip.local_addr is not None
+    sip_target = gateway.sip.local_addr
     result = run_sipp("busy.xml", sip_target, workdir=tmp_path)
     assert result.ok, result.stdout[-2000:]
 
@@ -72,18 +71,18 @@ async def test_the_budget_is_shared_by_webhook_reservations_streams_and_sip(
         await b.start()
         await a.wait_for(lambda: a.events("media"), timeout=60)
         await b.wait_for(lambda: b.events("media"), timeout=60)
-        assert state.active_calls("twilio") == 2 and not state.reservations
+        assert gateway.registry.count("twilio") == 2 and not gateway.admission.reservations()
         # A stream nobody's webhook admitted, with the replica full: closed, try again later.
         async with _call(small, 4) as stray:
             await stray.start(stream_media=False)
             await stray.wait_for(lambda: stray.closed.is_set(), timeout=10)
             assert stray.close_code == 1013
-        assert state.active_calls() == 2
+        assert gateway.registry.count() == 2
     # Both calls over: room again, for SIP too.
-    await b.wait_for(lambda: state.active_calls() == 0, timeout=10)
+    await b.wait_for(lambda: gateway.registry.count() == 0, timeout=10)
     options = run_sipp("options.xml", sip_target, workdir=tmp_path)
     assert options.ok, options.stdout[-2000:]
-    assert state.sip_capacity() == 2
+    assert gateway.admission.free() == 2
 
     # What an operator scrapes: turns and first audio split by transport and source, refusals
     # by reason, the drain flag, GPU memory (0 here: no CUDA).
@@ -97,28 +96,5 @@ async def test_the_budget_is_shared_by_webhook_reservations_streams_and_sip(
     assert samples['gateway_gpu_memory_bytes{kind="allocated"}'] == 0
 
 
-def test_a_reservation_whose_stream_never_comes_gives_its_place_back(
-    small: LiveServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    state = small.state
-    monkeypatch.setattr(app_module, "RESERVATION_S", 0.2)
-    assert state.admit_twilio("CA" + "7" * 32) is None
-    assert state.admit_twilio("CA" + "8" * 32) is None
-    assert state.admit_twilio("CA" + "9" * 32) == "at_capacity"
-    import time
-
-    time.sleep(0.3)
-    assert state.refusal() is None
-    assert not state.reservations
-
-
-def test_refusal_reasons_in_order(small: LiveServer) -> None:
-    state = small.state
-    assert state.refusal() is None
-    state.ready = False
-    try:
-        assert state.refusal() == "not_ready"
-        state.draining = True
-        assert state.refusal() == "draining"  # draining wins: it will not come back
-    finally:
-        state.ready, state.draining = True, False
+# Reservations lapsing and the order of refusal reasons are tested on a virtual clock in
+# tests/test_call_lifecycle.py (a 30 s reservation there costs no real time).

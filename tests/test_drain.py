@@ -120,7 +120,6 @@ async def test_sigterm_drains_active_calls_and_refuses_new_ones(
             timeline.append((time.monotonic() - t0, "SIP OPTIONS 503, new INVITE 503"))
 
             # The call in flight carries on: a key press still gets its spoken answer.
-            await asyncio.sleep(0.5)
             before = len(call.events("media"))
             pressed = await call.send_dtmf("7")
             await call.wait_for(lambda: len(call.events("media")) > before + 5, timeout=30)
@@ -185,7 +184,9 @@ async def test_second_signal_stops_at_once(tiny_model_dir: Path, tmp_path: Path)
             await call.start()
             await call.wait_for(lambda: call.events("media"), timeout=60)
             gateway.signal(signal.SIGTERM)
-            await asyncio.sleep(0.5)
+            await _until(
+                lambda: httpx.get(f"{gateway.base_url}/readyz", timeout=2).status_code == 503,
+                5, "/readyz 503")
             assert gateway.proc is not None and gateway.proc.poll() is None  # draining
             t0 = time.monotonic()
             gateway.signal(signal.SIGTERM)

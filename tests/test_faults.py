@@ -37,7 +37,7 @@ import httpx
 import numpy as np
 import pytest
 import uvicorn
-from conftest import AUTH_TOKEN, DEMO_SCRIPT, LiveServer, serve
+from conftest import AUTH_TOKEN, DEMO_SCRIPT, LiveServer, _server, serve
 from fastapi import FastAPI
 from twilio.request_validator import RequestValidator
 from twilio_client import FakeTwilioCall
@@ -47,6 +47,9 @@ from gateway.errors import EngineError
 from gateway.tts.engine import SAMPLES_PER_FRAME, SpeechRequest
 from gateway.tts.qwen import QwenEngine, QwenModel
 from gateway.tts.service import SpeechService, SpeechStream
+
+# Real time by nature: the speech service's watchdog, a real backend and real engine steps.
+pytestmark = pytest.mark.slow
 
 SORRY = "Sorry, something went wrong on our side."
 BALANCE = "Your balance is"
@@ -163,13 +166,11 @@ class Backend:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(self._app(), log_level="warning"))
+        started = threading.Event()
+        server = _server(uvicorn.Config(self._app(), log_level="warning"), started.set)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "backend did not start"
-            time.sleep(0.01)
+        assert started.wait(10), "backend did not start"
         self._server, self._thread, self._sock = server, thread, sock
 
     def down(self) -> None:
@@ -252,7 +253,7 @@ def _new_call(live: LiveServer) -> FakeTwilioCall:
 
 def _utterances(live: LiveServer, call: FakeTwilioCall) -> list[Utterance]:
     # The server's Call leaves state.calls when the call ends: remember it.
-    server_call = live.state.calls.get(call.call_sid) or _calls.get(call.call_sid)
+    server_call = live.gateway.registry.get(call.call_sid) or _calls.get(call.call_sid)
     if server_call is None:
         return []
     _calls[call.call_sid] = server_call
@@ -337,7 +338,7 @@ async def test_an_engine_failure_mid_sentence_plays_the_error_prompt_from_the_ca
     rig: Rig,
 ) -> None:
     live = rig.live
-    speech = live.state.speech_service
+    speech = live.gateway.speech_service
     failed, rebuilds = speech.stats.failed, sum(e.rebuilds for e in rig.engines)
     rig.arm(match=BALANCE, raise_after=2)
     async with _new_call(live) as call:
@@ -361,7 +362,7 @@ async def test_a_stuck_engine_step_fails_the_turn_and_the_other_slot_keeps_servi
     rig: Rig, block_after: int
 ) -> None:
     live = rig.live
-    speech = live.state.speech_service
+    speech = live.gateway.speech_service
     plan = rig.arm(match=BALANCE, block_after=block_after)
     try:
         async with _new_call(live) as stuck:
@@ -460,7 +461,7 @@ async def test_a_caller_who_vanishes_mid_sentence_is_reaped_and_frees_the_slot(
     rig: Rig, how: str
 ) -> None:
     live = rig.live
-    speech = live.state.speech_service
+    speech = live.gateway.speech_service
     cancelled = speech.stats.cancelled
     inbound_timeouts = 'gateway_calls_inbound_timeouts_total{transport="twilio"}'
     timeouts = _metric(live, inbound_timeouts, default=0.0)
@@ -479,7 +480,7 @@ async def test_a_caller_who_vanishes_mid_sentence_is_reaped_and_frees_the_slot(
         assert stream is not None and not balance.generated.is_set()
         gone_at = time.monotonic()
         _vanish(call, how)
-        await _wait(lambda: call.call_sid not in live.state.calls, IDLE_TIMEOUT_S + 10,
+        await _wait(lambda: call.call_sid not in live.gateway.registry, IDLE_TIMEOUT_S + 10,
                     "call reaped")
         reaped_s = time.monotonic() - gone_at
         await _wait(lambda: stream.finished_at is not None, 10, "slot freed")
@@ -500,7 +501,7 @@ async def test_a_caller_who_vanishes_mid_sentence_is_reaped_and_frees_the_slot(
         # for longer than the idle timeout too, but kept streaming, so it stays.
         if how == "silent":
             assert time.monotonic() - bystander.started_at > IDLE_TIMEOUT_S
-        assert bystander.call_sid in live.state.calls and not bystander.closed.is_set()
+        assert bystander.call_sid in live.gateway.registry and not bystander.closed.is_set()
     if call._ws is not None:
         call._ws.transport.abort()
     await _wait(lambda: speech.busy_slots == 0, 10, "slots idle")
@@ -562,7 +563,7 @@ async def test_an_unwritable_cache_directory_degrades_to_memory_with_an_alarm(
             ask = await _heard(live, call, "six digit account number")
             assert ask.cached
         assert sorted(p.name for p in disk.rglob("*") if p.is_file()) == stored
-        assert not live.state.calls
+        await _wait(lambda: not live.gateway.registry, 10, "the calls to end")
 
 
 # --- the watchdog, at the scheduler -----------------------------------------------------------

@@ -63,6 +63,7 @@ from gateway.sip.uas import (
     Dropped,
     IncomingCall,
     MediaChanged,
+    Refused,
     SendTo,
     TransferDone,
     UasConfig,
@@ -273,6 +274,7 @@ def fuzz_sip_parser(cases: int, seed: int, check: Callable[[bytes], str] = check
     return tally
 
 
+@pytest.mark.slow
 def test_sip_parser_takes_100k_hostile_datagrams() -> None:
     tally = _timed(lambda: fuzz_sip_parser(CASES, SEED), "SIP parser")
     assert set(tally.accepted) == {"SipRequest", "SipResponse"}
@@ -444,7 +446,7 @@ def test_rtp_and_rfc4733_decoders_take_100k_hostile_packets() -> None:
 # --- the UAS core -----------------------------------------------------------------------------
 
 EFFECT_TYPES = (SendTo, IncomingCall, CallAnswered, CallConfirmed, MediaChanged, CallEnded,
-                TransferDone, Dropped)
+                TransferDone, Dropped, Refused)
 
 
 @dataclass
@@ -599,6 +601,7 @@ def fuzz_uas(cases: int, seed: int, session: int = 2000) -> tuple[Tally, list[Ua
     return tally, runs
 
 
+@pytest.mark.slow
 def test_uas_core_takes_100k_hostile_datagrams_with_bounded_state(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -28,7 +28,7 @@ from urllib.parse import urlencode
 import httpx
 import pytest
 import uvicorn
-from conftest import AUTH_TOKEN, LiveServer, _free_socket
+from conftest import AUTH_TOKEN, LiveServer, _free_socket, _server
 from twilio.request_validator import RequestValidator
 from twilio_client import FakeTwilioCall
 
@@ -55,24 +55,27 @@ def production_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
     app = create_app(settings)
     config = uvicorn.Config(app, log_level="warning", ws_max_size=settings.ws_max_size,
                             lifespan="on", **server_limits(settings))
-    server = uvicorn.Server(config)
+    listening = threading.Event()
+    server = _server(config, listening.set)
+    gateway = app.state.gateway
+    settled = threading.Event()
+    gateway.readiness.when_settled(settled.set)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base_url}/readyz", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.05)
-        else:
-            raise RuntimeError("gateway did not become ready")
-        yield LiveServer(base_url, f"ws://127.0.0.1:{port}/twilio/media", app.state.gateway,
-                         server)
+        if not (settled.wait(120) and gateway.readiness.ready and listening.wait(30)):
+            raise RuntimeError(f"gateway did not become ready: {gateway.readiness.load_error}")
+        yield LiveServer(base_url, f"ws://127.0.0.1:{port}/twilio/media", gateway, server)
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def _clear_reservations(live: LiveServer) -> None:
+    admission = live.gateway.admission
+    for key in admission.reservations():
+        admission.release(key)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,7 @@ def _sign(url: str, form: dict[str, str] | list[tuple[str, str]]) -> str:
 
 
 def _rejections(live: LiveServer) -> float:
-    counter = live.state.metrics.signature_rejections
+    counter = live.gateway.metrics.signature_rejections
     return sum(sample.value for metric in counter.collect() for sample in metric.samples
                if sample.name.endswith("_total"))
 
@@ -151,10 +154,10 @@ async def test_forged_or_malformed_webhooks_get_403_or_400_and_leave_no_state(
     live: LiveServer, path: str
 ) -> None:
     url = f"{live.base_url}{path}"
-    state = live.state
+    gateway = live.gateway
     # A transfer the attacker would like to read or erase: only Twilio's request may consume it.
-    state.outcomes[FORM["CallSid"]] = TransferTo("+15555550100")
-    reservations = dict(state.reservations)
+    gateway.outcomes.record(FORM["CallSid"], TransferTo("+15555550100"))
+    reservations = gateway.admission.reservations()
     rejections = _rejections(live)
     seen: dict[str, int] = {}
     async with httpx.AsyncClient(timeout=10) as client:
@@ -164,19 +167,19 @@ async def test_forged_or_malformed_webhooks_get_403_or_400_and_leave_no_state(
             assert "<Response>" not in response.text, name
     print(f"\n{path}: {seen}")
     assert all(status in (400, 403, 413) for status in seen.values()), seen
-    assert state.reservations == reservations
-    assert state.outcomes.get(FORM["CallSid"]) == TransferTo("+15555550100")
+    assert gateway.admission.reservations() == reservations
+    assert gateway.outcomes.get(FORM["CallSid"]) == TransferTo("+15555550100")
     assert _rejections(live) > rejections
-    state.outcomes.pop(FORM["CallSid"], None)
+    gateway.outcomes.take(FORM["CallSid"])
 
 
 def test_a_signed_webhook_without_call_parameters_reserves_nothing(live: LiveServer) -> None:
     url = f"{live.base_url}/twilio/voice"
-    reservations = dict(live.state.reservations)
+    reservations = live.gateway.admission.reservations()
     response = httpx.post(url, data={}, headers={"x-twilio-signature": _sign(url, {})},
                           timeout=10)
     assert response.status_code == 200 and "<Parameter" not in response.text
-    assert live.state.reservations == reservations
+    assert live.gateway.admission.reservations() == reservations
 
 
 def test_the_forgeries_are_refused_for_their_forgery_not_their_shape(live: LiveServer) -> None:
@@ -188,7 +191,7 @@ def test_the_forgeries_are_refused_for_their_forgery_not_their_shape(live: LiveS
         "content-type": "application/x-www-form-urlencoded", "x-twilio-signature":
         _sign(url, pairs)})
     assert response.status_code == 200 and "<Connect" in response.text
-    live.state.reservations.clear()
+    _clear_reservations(live)
 
 
 # --- body size --------------------------------------------------------------------------------
@@ -256,7 +259,7 @@ def test_a_body_just_under_the_limit_is_served(live: LiveServer) -> None:
         "content-type": "application/x-www-form-urlencoded", "x-twilio-signature":
         _sign(url, form)})
     assert response.status_code == 200 and "<Connect" in response.text
-    live.state.reservations.clear()
+    _clear_reservations(live)
 
 
 # --- slow clients -----------------------------------------------------------------------------
@@ -344,7 +347,7 @@ async def test_slow_and_idle_clients_are_cut_off_while_healthy_requests_flow(
     results = await asyncio.gather(*(attacker(kind) for kind in kinds))
     stop.set()
     await watcher
-    live.state.reservations.clear()
+    _clear_reservations(live)
     by_kind: dict[str, list[tuple[float, int | None]]] = {}
     for kind, held, status in results:
         by_kind.setdefault(kind, []).append((held, status))

@@ -29,12 +29,14 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.call import Call, CallOutcome, HangUp, Hangup, PlaybackDone, TransferTo, Voice
+from gateway.call import Call, CallOutcome, HangUp, Hangup, PlayoutPolicy, TransferTo
+from gateway.clock import SystemClock
 from gateway.ivr import runner as runner_module
 from gateway.ivr.cache import PromptCache
 from gateway.ivr.prompts import resolve_voice
 from gateway.ivr.runner import MAX_WEBHOOK_BYTES, IvrRunner, RunnerContext
 from gateway.ivr.script import MAX_VALUE_CHARS, Script, ScriptError, parse_script
+from gateway.speech import Speaker, Voice
 from gateway.tts.qwen import QwenEngine
 from gateway.tts.service import SpeechService
 
@@ -124,26 +126,30 @@ class MemoryTransport:
     """Records what the caller would get; marks play back at once."""
 
     codec = "pcmu"
+    playout = PlayoutPolicy(lead_s=3600.0, max_frames_per_send=1000, far_end_marks=True,
+                            buffer_frames=10**6)
 
     def __init__(self) -> None:
         self.call: Call | None = None
         self.outcome: CallOutcome | None = None
+        #: Set once the first frame has gone out.
+        self.sending = asyncio.Event()
 
     async def send_frames(self, frames: list[bytes]) -> None:
-        pass
+        self.sending.set()
 
     async def send_mark(self, name: str) -> None:
         assert self.call is not None
-        asyncio.get_running_loop().call_soon(self.call.deliver, PlaybackDone(name))
+        asyncio.get_running_loop().call_soon(self.call.playback_done, name)
 
     async def clear(self) -> None:
         pass
 
-    async def hangup(self) -> None:
-        await self.end(HangUp())
-
     async def end(self, outcome: CallOutcome) -> None:
         self.outcome = outcome
+
+    def abort(self, reason: str) -> None:
+        raise AssertionError(f"aborted: {reason}")
 
 
 @pytest.fixture
@@ -158,11 +164,13 @@ def _runner(script: Script, speech: SpeechService, engine: QwenEngine,
             variables: dict[str, str] | None = None) -> tuple[IvrRunner, MemoryTransport]:
     voice = resolve_voice(script)
     transport = MemoryTransport()
-    call = Call("CA" + "8" * 32, transport, speech, Voice(prompt=voice.prompt),  # type: ignore[arg-type]
-                metrics=None)
+    clock = SystemClock()  # real time: these tests time a real backend's misbehaviour
+    call = Call("CA" + "8" * 32, transport, clock, transport_name="twilio")
+    call.start()
     transport.call = call
     context = RunnerContext(script=script, cache=PromptCache(None),
                             model_fingerprint=engine.fingerprint, voice_identity=voice.identity,
+                            speaker=Speaker(speech, Voice(prompt=voice.prompt)), clock=clock,
                             http=httpx.AsyncClient())
     base = {"caller": "+15550001111", "called": "+15550002222", "call_id": call.call_id}
     return IvrRunner(call, context, {**base, **(variables or {})}), transport
@@ -171,7 +179,7 @@ def _runner(script: Script, speech: SpeechService, engine: QwenEngine,
 @contextlib.asynccontextmanager
 async def hostile_backend(mode: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """A raw TCP 'company backend' that misbehaves; yields its URL and what it did."""
-    stats: dict[str, Any] = {"sent": 0, "closed_after_s": None}
+    stats: dict[str, Any] = {"sent": 0, "closed_after_s": None, "closed": asyncio.Event()}
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         t0 = time.monotonic()
@@ -213,6 +221,7 @@ async def hostile_backend(mode: str) -> AsyncIterator[tuple[str, dict[str, Any]]
             pass
         finally:
             stats["closed_after_s"] = time.monotonic() - t0
+            stats["closed"].set()
             writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
@@ -242,7 +251,10 @@ async def test_a_hostile_backend_fails_the_webhook_in_time_and_bounded(
         t0 = time.monotonic()
         await asyncio.wait_for(runner.run(), 30)
         took = time.monotonic() - t0
-        await asyncio.sleep(0.2)  # the backend notices the hang-up
+        await runner.call.close()
+        assert runner.ctx.http is not None
+        await runner.ctx.http.aclose()  # drop the pooled connection, if any
+        await asyncio.wait_for(stats["closed"].wait(), 10)  # the backend notices the hang-up
     print(f"\nbackend {mode}: webhook failed after {1000 * took:.0f} ms; the backend had sent "
           f"{stats['sent']:,} bytes")
     assert runner.path == ["lookup", "failed"]
@@ -261,6 +273,7 @@ async def test_a_node_cycle_without_input_ends_after_max_steps(
     runner, transport = _runner(script, speech, tiny_engine)
     t0 = time.monotonic()
     await asyncio.wait_for(runner.run(), 30)
+    await runner.call.close()
     print(f"\na <-> b cycle: {len(runner.path)} steps in {1000 * (time.monotonic() - t0):.0f} ms")
     assert len(runner.path) == runner_module.MAX_STEPS
     assert transport.outcome == HangUp()
@@ -268,15 +281,19 @@ async def test_a_node_cycle_without_input_ends_after_max_steps(
 
 async def _first_utterance(runner: IvrRunner) -> str:
     task = asyncio.create_task(runner.run())
+    transport = runner.call.transport
+    assert isinstance(transport, MemoryTransport)
     try:
-        deadline = time.monotonic() + 30
-        while not runner.call.utterances:
-            assert time.monotonic() < deadline and not task.done(), runner.path
-            await asyncio.sleep(0.01)
+        sending = asyncio.ensure_future(transport.sending.wait())
+        done, _ = await asyncio.wait({sending, task}, timeout=30,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        sending.cancel()
+        assert sending in done, runner.path
         return runner.call.utterances[0].text
     finally:
-        runner.call.deliver(Hangup())
+        runner.call.deliver(Hangup(at=runner.clock.now()))
         await asyncio.wait_for(task, 30)
+        await runner.call.close()
 
 
 async def test_a_huge_caller_id_from_the_transport_is_cut_to_plain_text(

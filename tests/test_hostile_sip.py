@@ -57,14 +57,15 @@ def sip_live(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[LiveServer]
 
 
 def _endpoint(live: LiveServer) -> Any:
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     assert endpoint is not None and endpoint.local_addr is not None
     return endpoint
 
 
 def _idle(live: LiveServer) -> None:
     endpoint = _endpoint(live)
-    _wait(lambda: not endpoint.media and not live.state.calls and endpoint.core.active_calls == 0)
+    _wait(lambda: not endpoint.media and not live.gateway.registry
+          and endpoint.core.active_calls == 0)
 
 
 class Udp:
@@ -161,7 +162,8 @@ def test_an_invite_flood_gets_the_call_cap_and_prompt_refusals_with_bounded_stat
     def sample() -> None:
         core = endpoint.core
         for name, value in (("dialogs", len(core.dialogs)), ("active", core.active_calls),
-                            ("media", len(endpoint.media)), ("calls", len(sip_live.state.calls)),
+                            ("media", len(endpoint.media)),
+                            ("calls", len(sip_live.gateway.registry)),
                             ("responses", len(core._responses))):
             peaks[name] = max(peaks[name], value)
 
@@ -271,7 +273,7 @@ def test_a_sweep_from_a_disallowed_address_gets_403_or_silence_and_leaves_no_sta
     target, core = endpoint.local_addr, endpoint.core
     scanner, sink = Udp(ATTACKER_IP), Udp(ATTACKER_IP)
     before = (len(core.dialogs), dict(core._responses), len(endpoint.media),
-              len(sip_live.state.calls), core.stats["rejected_source"])
+              len(sip_live.gateway.registry), core.stats["rejected_source"])
     scan_ua = "User-Agent: friendly-scanner\r\n"
     sweep: list[bytes] = []
     for ext in range(100, 150):
@@ -298,7 +300,7 @@ def test_a_sweep_from_a_disallowed_address_gets_403_or_silence_and_leaves_no_sta
         scanner.pump(0.3)  # nothing more may come (ACKs get no answer)
         statuses = [r.status for _, r in scanner.responses()]
         after = (len(core.dialogs), dict(core._responses), len(endpoint.media),
-                 len(sip_live.state.calls), core.stats["rejected_source"])
+                 len(sip_live.gateway.registry), core.stats["rejected_source"])
         print(f"\nsweep from {ATTACKER_IP}: {len(sweep)} requests -> {len(statuses)} responses "
               f"{sorted(set(statuses))}; dialogs/cached responses/media/calls "
               f"{before[0]}/{len(before[1])}/{before[2]}/{before[3]} -> "
@@ -329,6 +331,8 @@ def test_a_second_invite_with_a_live_call_id_is_refused_and_leaks_nothing(
         _, ok = caller.wait_for(lambda rs: final(rs, cid))
         assert ok.status == 200
         media = _wait(lambda: next(iter(endpoint.media.values()), None))
+        call = _wait(lambda: media.call)
+        playout = call.playout._task  # the call's RTP pacing
         # Same Call-ID and From tag, a new branch and CSeq, no To tag: not a retransmission.
         caller.send(request("INVITE", caller, target, cid, "d2", cseq=2, body=sdp(rtp.addr[1])),
                     target)
@@ -343,9 +347,9 @@ def test_a_second_invite_with_a_live_call_id_is_refused_and_leaks_nothing(
         caller.pump(0.3)
         print(f"\nsecond INVITE on a live Call-ID: {second[0].status}, another From tag: "
               f"{third[0].status}; media sessions {len(endpoint.media)}, "
-              f"calls {len(sip_live.state.calls)}")
+              f"calls {len(sip_live.gateway.registry)}")
         assert second[0].status == 482 and third[0].status == 482
-        assert list(endpoint.media.values()) == [media] and len(sip_live.state.calls) == 1
+        assert list(endpoint.media.values()) == [media] and len(sip_live.gateway.registry) == 1
         # A retransmission of the first INVITE still gets its 200 (never a second call).
         caller.send(request("INVITE", caller, target, cid, "d1", body=sdp(rtp.addr[1])), target)
         caller.pump(0.3)
@@ -355,7 +359,7 @@ def test_a_second_invite_with_a_live_call_id_is_refused_and_leaks_nothing(
         caller.send(request("BYE", caller, target, cid, "d4", cseq=3, to_tag=tag), target)
         caller.wait_for(lambda rs: final(rs, cid, "BYE"))
         _idle(sip_live)
-        assert media._pacer_task is not None and media._pacer_task.done()
+        assert playout is not None and playout.done()
     finally:
         caller.close()
         rtp.close()
@@ -396,7 +400,7 @@ def test_an_offer_with_a_host_name_for_media_is_refused(sip_live: LiveServer) ->
             # Resolving would block or, on uvloop, make every RTP send raise: the call would be
             # silent forever. 488 before anything is allocated instead.
             assert response.status == 488, (address, response.status)
-        assert not endpoint.media and not sip_live.state.calls
+        assert not endpoint.media and not sip_live.gateway.registry
     finally:
         peer.close()
 

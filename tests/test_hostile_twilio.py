@@ -140,12 +140,14 @@ async def test_a_bad_stream_is_closed_alone_with_its_code_and_a_logged_reason(
     code, reason = CASES[case]
     async with _call(ivr_live) as healthy:
         await healthy.start()
-        server_call = await healthy.wait_for(lambda: ivr_live.state.calls.get(healthy.call_sid))
-        calls_before = len(ivr_live.state.calls)
+        registry = ivr_live.gateway.registry
+        server_call = await healthy.wait_for(lambda: registry.get(healthy.call_sid))
+        calls_before = len(ivr_live.gateway.registry)
         async with _call(ivr_live) as bad:
             await _misbehave(bad, case, healthy.call_sid)
             await bad.wait_for(lambda: bad.closed.is_set(), timeout=15)
-        await asyncio.sleep(0.2)  # the bad call's tasks wind down
+        # The bad call's work is over once the server has forgotten it (its tasks are done).
+        await healthy.wait_for(lambda: len(registry) <= calls_before, timeout=10)
         gc.collect()  # a task that died with an exception nobody awaited reports it when freed
         errors = [r.getMessage()[:300] for r in caplog.records if r.levelno >= logging.ERROR
                   and not r.name.startswith("uvicorn")]
@@ -156,9 +158,9 @@ async def test_a_bad_stream_is_closed_alone_with_its_code_and_a_logged_reason(
         assert any(reason in m for m in logged), logged[-5:]
         assert not errors, errors
         # The healthy call is the same call, still up, and the call table did not grow.
-        assert ivr_live.state.calls.get(healthy.call_sid) is server_call
+        assert ivr_live.gateway.registry.get(healthy.call_sid) is server_call
         assert not healthy.closed.is_set()
-        await healthy.wait_for(lambda: len(ivr_live.state.calls) <= calls_before, timeout=10)
+        await healthy.wait_for(lambda: len(ivr_live.gateway.registry) <= calls_before, timeout=10)
         await healthy.send_stop()
 
 

@@ -1,8 +1,9 @@
 """The IVR runner in virtual time: real engine (tiny model), in-memory transport, fake clock.
 
 The transport here records what a caller would receive and reports each mark as played as soon
-as it is sent (playback itself is the transport's business, tested over real sockets in
-test_ivr_e2e.py). Gather timeouts run on :class:`VirtualClock`, so a 5 s timeout costs nothing.
+as it is sent (playback itself is the playout's business, tested in test_call_playout.py and
+over real sockets in test_ivr_e2e.py). Gather timeouts and webhook deadlines run on
+:class:`clocks.VirtualClock` (the test advances it), so a 5 s timeout costs nothing.
 """
 
 from __future__ import annotations
@@ -16,22 +17,23 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from clocks import VirtualClock
 
 from gateway.call import (
     Call,
     CallOutcome,
-    Dtmf,
     HangUp,
     Hangup,
     PlaybackDone,
+    PlayoutPolicy,
     SpeechStarted,
     TransferTo,
-    Voice,
 )
 from gateway.ivr.cache import PromptCache
 from gateway.ivr.prompts import ResolvedVoice, render_missing, resolve_voice
-from gateway.ivr.runner import IvrRunner, RunnerContext, VirtualClock
+from gateway.ivr.runner import IvrRunner, RunnerContext
 from gateway.ivr.script import Script, load_script, parse_script
+from gateway.speech import Speaker, Voice
 from gateway.tts.engine import Engine
 from gateway.tts.qwen import QwenEngine
 from gateway.tts.service import SpeechService
@@ -39,10 +41,25 @@ from gateway.tts.service import SpeechService
 DEMO = Path(__file__).resolve().parent.parent / "prompts" / "demo.yaml"
 
 
+#: A far end that plays everything at once: all frames go out now, every mark echoes back.
+INSTANT = PlayoutPolicy(lead_s=3600.0, max_frames_per_send=1000, far_end_marks=True,
+                        buffer_frames=10**6)
+
+_open_calls: list[Call] = []
+
+
+@pytest.fixture(autouse=True)
+async def _close_calls() -> AsyncIterator[None]:
+    yield
+    while _open_calls:
+        await _open_calls.pop().close()
+
+
 class MemoryTransport:
     """Collects frames; every mark is played back at once."""
 
     codec = "pcmu"
+    playout = INSTANT
 
     def __init__(self) -> None:
         self.call: Call | None = None
@@ -55,17 +72,16 @@ class MemoryTransport:
     async def send_mark(self, name: str) -> None:
         self.log.append(("mark", name))
         assert self.call is not None
-        call = self.call
-        asyncio.get_running_loop().call_soon(call.deliver, PlaybackDone(name))
+        asyncio.get_running_loop().call_soon(self.call.playback_done, name)
 
     async def clear(self) -> None:
         self.log.append(("clear", None))
 
-    async def hangup(self) -> None:
-        await self.end(HangUp())
-
     async def end(self, outcome: CallOutcome) -> None:
         self.outcome = outcome
+
+    def abort(self, reason: str) -> None:
+        raise AssertionError(f"aborted: {reason}")
 
 
 @pytest.fixture(scope="module")
@@ -117,13 +133,9 @@ class Harness:
         self.voice = voice if voice is not None else resolve_voice(script)
         self.clock = VirtualClock()
         self.transport = MemoryTransport()
-        self.call = Call(
-            "CA" + "7" * 32,
-            self.transport,
-            speech,
-            Voice(prompt=self.voice.prompt),  # type: ignore[arg-type]
-            metrics=None,
-        )
+        self.call = Call("CA" + "7" * 32, self.transport, self.clock, transport_name="twilio")
+        self.call.start()
+        _open_calls.append(self.call)
         self.transport.call = self.call
         self.cache = cache if cache is not None else PromptCache(None)
         self.requests: list[dict[str, Any]] = []
@@ -138,6 +150,7 @@ class Harness:
             cache=self.cache,
             model_fingerprint=engine.fingerprint,
             voice_identity=self.voice.identity,
+            speaker=Speaker(speech, Voice(prompt=self.voice.prompt)),
             clock=self.clock,
             http=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
         )
@@ -163,18 +176,25 @@ class Harness:
 
     async def waiting_for_input(self, timeout: float = 60) -> None:
         """Until the runner sits in a *new* gather timeout (everything before it has played)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        seen = self._waits_seen
-        while not (self.clock.waiting and self.clock.waits > seen):
-            assert self.task is not None and not self.task.done(), self.runner.path
-            assert loop.time() < deadline, f"not waiting; path {self.runner.path}"
-            await asyncio.sleep(0.01)
+        assert self.task is not None
+        waiting = asyncio.ensure_future(self.clock.next_wait(self._waits_seen))
+        done, _ = await asyncio.wait({waiting, self.task}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        assert waiting in done, f"not waiting; path {self.runner.path}"
         self._waits_seen = self.clock.waits
+
+    async def first_frame(self, index: int = 0, timeout: float = 60) -> None:
+        """Until utterance ``index`` has sent its first frame (generated live: real time)."""
+        for _ in range(1000):  # the runner creates its utterances without waiting
+            if len(self.call.utterances) > index:
+                break
+            await asyncio.sleep(0)
+        await asyncio.wait_for(self.call.utterances[index].started.wait(), timeout)
 
     async def press(self, keys: str) -> None:
         for key in keys:
-            self.call.deliver(Dtmf(key))
+            self.call.dtmf(key)
             for _ in range(3):
                 await asyncio.sleep(0)
         # Waits started while the keys were consumed are not the next prompt's.
@@ -263,8 +283,7 @@ async def test_keys_pressed_during_a_prompt_barge_in_and_count_as_the_answer(
     h = Harness(demo, speech, engine)
     # No pre-rendering: the greeting is generated live, so it is long enough to interrupt.
     await h.start(prerender=False)
-    while not h.call.utterances or h.call.utterances[0].frames_sent == 0:
-        await asyncio.sleep(0.005)
+    await h.first_frame()
     await h.press("2")  # during the greeting: stops it; the menu takes "2" as its answer
     await h.finished()
     assert ("clear", None) in h.transport.log
@@ -278,9 +297,8 @@ async def test_caller_speech_barges_in_like_a_key(
 ) -> None:
     h = Harness(demo, speech, engine)
     await h.start(prerender=False)
-    while not h.call.utterances or h.call.utterances[0].frames_sent == 0:
-        await asyncio.sleep(0.005)
-    h.call.deliver(SpeechStarted())
+    await h.first_frame()
+    h.call.deliver(SpeechStarted(at=h.clock.now()))
     await h.waiting_for_input()
     assert h.call.utterances[0].interrupted and ("clear", None) in h.transport.log
     assert h.runner.path == ["welcome", "menu"]
@@ -336,7 +354,7 @@ async def test_webhook_values_are_read_as_text_never_as_templates(
     live = [u.text for u in h.call.utterances if not u.cached]
     assert live == ["Thanks, {caller}. Your balance is {0.__class__} dollars, due on tomorrow."]
     assert "nested" not in h.runner.variables
-    h.call.deliver(Hangup())
+    h.call.deliver(Hangup(at=h.clock.now()))
     await h.finished()
 
 
@@ -346,7 +364,7 @@ async def test_hang_up_during_a_gather_stops_the_script(
     h = Harness(demo, speech, engine, cache=demo_cache)
     await h.start()
     await h.waiting_for_input()
-    h.call.deliver(Hangup())
+    h.call.deliver(Hangup(at=h.clock.now()))
     await h.finished()
     assert h.transport.outcome is None and h.runner.path == ["welcome", "menu"]
 
@@ -478,8 +496,7 @@ async def test_keys_during_a_non_interruptible_prompt_are_ignored(
     )
     h = Harness(script, speech, engine)
     await h.start(prerender=False)
-    while not h.call.utterances or h.call.utterances[0].frames_sent == 0:
-        await asyncio.sleep(0.005)
+    await h.first_frame()
     await h.press("1")
     await h.waiting_for_input()
     assert not h.call.utterances[0].interrupted and ("clear", None) not in h.transport.log
@@ -500,9 +517,9 @@ async def test_a_stale_mark_does_not_end_a_gather_early(
     await h.press("1")
     await h.waiting_for_input()
     await h.press("12")
-    h.call.deliver(PlaybackDone("an-earlier-utterance"))
+    h.call.deliver(PlaybackDone("an-earlier-utterance", at=h.clock.now()))
     await h.press("3456#")
     await h.waiting_for_input()
     assert h.runner.variables["account_number"] == "123456"
-    h.call.deliver(Hangup())
+    h.call.deliver(Hangup(at=h.clock.now()))
     await h.finished()

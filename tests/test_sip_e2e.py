@@ -1,22 +1,21 @@
 """The SIP endpoint with real peers on loopback: baresip and SIPp against a real gateway.
 
-The gateway runs the demo IVR with the tiny model on CPU; its SIP endpoint listens on an
-ephemeral UDP port of 127.0.0.1 with an allow-list of 127.0.0.1/32, a 300 ms ring before
-answering (so a CANCEL can arrive first), and T1 = 100 ms (so the no-ACK case ends in 6.4 s;
-the RFC 3261 default timings are tested in virtual time in test_sip_uas.py).
+The gateway (``conftest.demo_realtime``) runs the demo IVR with the tiny model on CPU; its SIP
+endpoint listens on an ephemeral UDP port of 127.0.0.1 with an allow-list of 127.0.0.1/32, a
+300 ms ring before answering (so a CANCEL can arrive first), and T1 = 100 ms (so the no-ACK case
+ends in 6.4 s; the RFC 3261 default timings are tested in virtual time in test_sip_uas.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DEMO_SCRIPT, LiveServer, backend, serve
+from conftest import LiveServer, VirtualServer
 from sip_peers import Baresip, run_sipp
 from sip_peers import wait_until as _wait
 
@@ -24,39 +23,26 @@ from gateway.call import HangUp, TransferTo
 
 
 @pytest.fixture(scope="module")
-def sip_gateway(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[tuple[LiveServer, Any]]:
-    with backend() as (url, seen), pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ACME_BACKEND_URL", url)
-        with serve(
-            {
-                "model": str(tiny_model_dir),
-                "script": str(DEMO_SCRIPT),
-                "cache_dir": str(demo_cache_dir),
-                "sip": "127.0.0.1:0",
-                "sip_allow": "127.0.0.1/32",
-                "max_calls": 32,
-                "sip_answer_delay_ms": 300,
-                "sip_t1_ms": 100,
-                "rtp_ports": "24000-24999",
-            }
-        ) as live:
-            yield live, seen
+def sip_gateway(demo_realtime: tuple[LiveServer, Any]) -> tuple[LiveServer, Any]:
+    return demo_realtime
 
 
-def _target(live: LiveServer) -> tuple[str, int]:
-    endpoint = live.state.sip
+def _target(live: LiveServer | VirtualServer) -> tuple[str, int]:
+    endpoint = live.gateway.sip
     assert endpoint is not None and endpoint.local_addr is not None
     return endpoint.local_addr
 
 
 def _idle(live: LiveServer) -> None:
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     _wait(
-        lambda: not endpoint.media and not live.state.calls and endpoint.core.active_calls == 0,
+        lambda: not endpoint.media and not live.gateway.registry
+        and endpoint.core.active_calls == 0,
         timeout=15,
     )
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_baresip_hears_the_greeting_routes_by_dtmf_and_the_call_state_is_gone(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path
 ) -> None:
@@ -65,7 +51,7 @@ def test_baresip_hears_the_greeting_routes_by_dtmf_and_the_call_state_is_gone(
     with Baresip(tmp_path) as phone:
         phone.dial(f"sip:ivr@{host}:{port}")
         phone.wait_event("CALL_ESTABLISHED")
-        call = _wait(lambda: next(iter(live.state.calls.values()), None))
+        call = _wait(lambda: next(iter(live.gateway.registry.values()), None))
         assert call.call_id.startswith("sip-")
         # The greeting, then the menu, come from the prompt cache.
         _wait(lambda: len(call.utterances) >= 2 and call.utterances[1].first_frame_at, 30)
@@ -98,21 +84,22 @@ def test_baresip_hears_the_greeting_routes_by_dtmf_and_the_call_state_is_gone(
     assert seconds > 3 and rms > 100  # non-silent: the tiny model speaks noise
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_dtmf_barge_in_stops_the_outgoing_stream(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path
 ) -> None:
     live, _ = sip_gateway
     host, port = _target(live)
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     with Baresip(tmp_path) as phone:
         phone.dial(f"sip:ivr@{host}:{port}")
         phone.wait_event("CALL_ESTABLISHED")
-        call = _wait(lambda: next(iter(live.state.calls.values()), None))
+        call = _wait(lambda: next(iter(live.gateway.registry.values()), None))
         welcome = _wait(
             lambda: call.utterances and call.utterances[0].first_frame_at and call.utterances[0]
         )
         media = next(iter(endpoint.media.values()))
-        assert len(media._queue) > 50  # the greeting is queued for pacing
+        assert call.playout.buffered > 50  # the greeting is queued for pacing
         pressed = time.monotonic()
         phone.send_dtmf("2", gap_s=0)
         _wait(lambda: welcome.interrupted, 5)
@@ -123,6 +110,7 @@ def test_dtmf_barge_in_stops_the_outgoing_stream(
     _idle(live)
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 @pytest.mark.parametrize(
     ("scenario", "local_ip"),
     [
@@ -144,11 +132,12 @@ def test_sipp_scenarios(
     _idle(live)
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_sipp_call_hung_up_by_the_gateway(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path
 ) -> None:
     live, _ = sip_gateway
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     import threading
 
     outcome: dict[str, Any] = {}
@@ -158,7 +147,7 @@ def test_sipp_call_hung_up_by_the_gateway(
 
     thread = threading.Thread(target=run)
     thread.start()
-    call = _wait(lambda: next(iter(live.state.calls.values()), None))
+    call = _wait(lambda: next(iter(live.gateway.registry.values()), None))
     _wait(lambda: call.utterances and call.utterances[0].first_frame_at)
     asyncio.run_coroutine_threadsafe(call.end(HangUp()), endpoint.loop).result(5)
     thread.join(30)
@@ -166,11 +155,12 @@ def test_sipp_call_hung_up_by_the_gateway(
     _idle(live)
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_over_capacity_and_draining(sip_gateway: tuple[LiveServer, Any], tmp_path: Path) -> None:
     live, _ = sip_gateway
-    endpoint = live.state.sip
-    settings = live.state.settings
-    settings.max_calls = 1  # the replica's call budget; SIP's share follows it
+    endpoint = live.gateway.sip
+    admission = live.gateway.admission
+    admission.max_calls = 1  # the replica's call budget, both transports together
     try:
         import threading
 
@@ -187,16 +177,17 @@ def test_over_capacity_and_draining(sip_gateway: tuple[LiveServer, Any], tmp_pat
         thread.join(30)
         assert holder["result"].ok, holder["result"].stdout[-3000:]
     finally:
-        settings.max_calls = 32
+        admission.max_calls = 32
     _idle(live)
-    live.state.draining = True
+    live.gateway.readiness.draining = True
     try:
         draining = run_sipp("draining.xml", _target(live), workdir=tmp_path)
         assert draining.ok, draining.stdout[-3000:]
     finally:
-        live.state.draining = False
+        live.gateway.readiness.draining = False
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_fifty_calls_at_ten_per_second(sip_gateway: tuple[LiveServer, Any], tmp_path: Path) -> None:
     live, _ = sip_gateway
     result = run_sipp(
@@ -245,7 +236,7 @@ SCENARIOS = {
 class TwilioCaller:
     """The scenario's caller over Twilio Media Streams (the test Twilio client)."""
 
-    def __init__(self, live: LiveServer, n: int) -> None:
+    def __init__(self, live: LiveServer | VirtualServer, n: int) -> None:
         from conftest import AUTH_TOKEN
         from twilio_client import FakeTwilioCall
 
@@ -265,7 +256,7 @@ class TwilioCaller:
     async def press(self, keys: str) -> None:
         for key in keys:
             await self.fake.send_dtmf(key)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the caller's finger, 50 ms a key
 
     async def ended(self) -> None:
         await self.fake.wait_for(lambda: self.fake.closed.is_set(), timeout=30)
@@ -297,20 +288,67 @@ class SipCaller:
         self.phone.__exit__()
 
 
-@pytest.mark.parametrize("transport", ["twilio", "sip"])
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-async def test_ivr_scenarios_behave_the_same_on_every_transport(
-    sip_gateway: tuple[LiveServer, Any], tmp_path: Path, transport: str, name: str
+class LoopSipCaller:
+    """The same caller over SIP/RTP as a simulated phone in the gateway's own loop (the load
+    simulator's SIP UAC and RTP endpoint, on real UDP sockets), so it shares virtual time."""
+
+    def __init__(self, live: VirtualServer) -> None:
+        from gateway.loadsim.sip_caller import SipCaller as Phone
+
+        self.live = live
+        loop = asyncio.get_running_loop()
+        self.phone = Phone(caller_id="tester", clock=loop.time)
+
+    async def start(self) -> None:
+        await self.phone.call(_target(self.live), user="ivr")
+
+    async def press(self, keys: str) -> None:
+        for key in keys:
+            await self.phone.send_dtmf(key)
+            await asyncio.sleep(0.05)  # the caller's finger between keys
+
+    async def ended(self) -> None:
+        await _await(lambda: self.phone.remote_hangup_at is not None, 40)
+
+    async def close(self) -> None:
+        await self.phone.aclose()
+
+
+#: Each scenario on each transport; the SIP scenarios once more with baresip, a real phone in
+#: another process (real time), for the transfer.
+SUITE = [*((name, t) for name in sorted(SCENARIOS) for t in ("twilio", "sip")),
+         ("straight to an agent", "sip-baresip")]
+
+
+@pytest.mark.parametrize(("name", "transport"), SUITE)
+def test_ivr_scenarios_behave_the_same_on_every_transport(
+    request: pytest.FixtureRequest, tmp_path: Path, transport: str, name: str
 ) -> None:
-    live, _ = sip_gateway
-    before = set(live.state.calls)
-    caller: TwilioCaller | SipCaller = (
-        TwilioCaller(live, 100 + len(name)) if transport == "twilio" else SipCaller(live, tmp_path)
-    )
+    """The same demo script and steps over each transport. Twilio and SIP run on the demo
+    gateway in virtual time (their callers share the gateway's loop); baresip on real time."""
+    if transport == "sip-baresip":
+        live, _ = request.getfixturevalue("sip_gateway")
+        asyncio.run(_scenario(live, SipCaller(live, tmp_path), name))
+        _idle(live)
+        return
+    virtual, _ = request.getfixturevalue("demo_virtual")
+
+    async def run() -> None:
+        caller = (TwilioCaller(virtual, 100 + len(name)) if transport == "twilio"
+                  else LoopSipCaller(virtual))
+        await _scenario(virtual, caller, name)
+
+    virtual.run(run())
+
+
+async def _scenario(live: LiveServer | VirtualServer,
+                    caller: TwilioCaller | SipCaller | LoopSipCaller, name: str) -> None:
+    registry = live.gateway.registry
+    before = {call_id for call_id, _ in registry.items()}
     await caller.start()
     try:
         call = await _await(
-            lambda: next((c for k, c in live.state.calls.items() if k not in before), None)
+            lambda: next((c for k, c in registry.items() if k not in before), None)
         )
         for step, arg in SCENARIOS[name]:
             if step == "hear":
@@ -334,10 +372,11 @@ async def test_ivr_scenarios_behave_the_same_on_every_transport(
                 assert isinstance(call.outcome, expected), call.outcome
     finally:
         await caller.close()
-    _idle(live)
 
 
 async def _await(predicate: Any, timeout: float = 20) -> Any:
+    """Poll ``predicate`` every 20 ms of loop time until truthy; give up after ``timeout`` s of
+    real time."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         result = predicate()
@@ -373,19 +412,20 @@ RTP_TIMEOUT_S = 1.5
 
 
 def _rtp_timeouts(live: LiveServer) -> float:
-    value = live.state.metrics.registry.get_sample_value(
+    value = live.gateway.metrics.registry.get_sample_value(
         "gateway_calls_inbound_timeouts_total", {"transport": "sip"}
     )
     return value or 0.0
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_a_call_whose_rtp_never_comes_is_hung_up_after_the_rtp_timeout(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIPp sends no RTP at all (a phone that died after the ACK, a BYE lost on the way): the
     gateway sends BYE once the timeout passes, and the call's slot is free again."""
     live, _ = sip_gateway
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     monkeypatch.setattr(endpoint, "rtp_timeout_s", RTP_TIMEOUT_S)
     before = _rtp_timeouts(live)
     started = time.monotonic()
@@ -398,13 +438,14 @@ def test_a_call_whose_rtp_never_comes_is_hung_up_after_the_rtp_timeout(
     _idle(live)
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_a_hold_longer_than_the_rtp_timeout_does_not_end_the_call(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On hold (a=sendonly) for 3 s with no RTP, twice the timeout: the call survives, resumes
     with a fresh timer, and ends with the caller's own BYE (SIPp fails on a BYE from us)."""
     live, _ = sip_gateway
-    monkeypatch.setattr(live.state.sip, "rtp_timeout_s", RTP_TIMEOUT_S)
+    monkeypatch.setattr(live.gateway.sip, "rtp_timeout_s", RTP_TIMEOUT_S)
     before = _rtp_timeouts(live)
     result = run_sipp("hold_long.xml", _target(live), workdir=tmp_path, timeout_s=30)
     assert result.ok, result.stdout[-3000:]
@@ -412,12 +453,13 @@ def test_a_hold_longer_than_the_rtp_timeout_does_not_end_the_call(
     _idle(live)
 
 
+@pytest.mark.slow  # a real peer (baresip/SIPp) on real time
 def test_a_caller_that_keeps_sending_rtp_outlives_the_rtp_timeout(
     sip_gateway: tuple[LiveServer, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """baresip streams RTP every 20 ms: three timeouts later its call is still up."""
     live, _ = sip_gateway
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     monkeypatch.setattr(endpoint, "rtp_timeout_s", RTP_TIMEOUT_S)
     before = _rtp_timeouts(live)
     host, port = _target(live)

@@ -192,10 +192,10 @@ async def _server_tasks(live: LiveServer) -> int:
 
 async def _settle(live: LiveServer) -> None:
     """Until the server has finished with every call (sockets closed, slots idle)."""
-    speech = live.state.speech_service
+    speech = live.gateway.speech_service
     deadline = time.monotonic() + 30
-    while live.state.calls or speech.busy_slots or speech.queued:
-        assert time.monotonic() < deadline, f"calls left: {list(live.state.calls)}"
+    while live.gateway.registry or speech.busy_slots or speech.queued:
+        assert time.monotonic() < deadline, f"calls left: {list(live.gateway.registry)}"
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.2)
 
@@ -211,7 +211,7 @@ async def _sample(live: LiveServer, label: str, t0: float) -> Sample:
         py_threads=threading.active_count(),
         server_tasks=await _server_tasks(live),
         py_objects=len(gc.get_objects()),
-        calls=len(live.state.calls),
+        calls=len(live.gateway.registry),
     )
 
 
@@ -233,8 +233,8 @@ async def test_a_thousand_calls_leak_nothing(gateway: tuple[LiveServer, list[Any
     caller = Caller(live, seen)
     errors = ErrorLog()
     logging.getLogger("gateway").addHandler(errors)
-    metrics = live.state.metrics
-    speech = live.state.speech_service
+    metrics = live.gateway.metrics
+    speech = live.gateway.speech_service
     samples: list[Sample] = []
     t0 = time.monotonic()
     try:
@@ -295,7 +295,7 @@ async def test_a_thousand_calls_leak_nothing(gateway: tuple[LiveServer, list[Any
     assert growth < RSS_GROWTH_LIMIT, _table(samples)
     assert objects_per_call < 1.0, _table(samples)
     # Everything per call was given back.
-    assert last.calls == 0 and not live.state.outcomes
+    assert last.calls == 0 and not live.gateway.outcomes
     assert last.server_tasks <= first.server_tasks, _table(samples)
     assert last.fds <= first.fds + 2, _table(samples)
     assert last.py_threads <= first.py_threads, _table(samples)

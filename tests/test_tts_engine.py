@@ -182,13 +182,19 @@ async def test_cancel_frees_the_slot_within_one_chunk(tiny_engine: Engine) -> No
         # The slot frees within the chunk in flight (at most 8 frames of the tiny model on CPU).
         assert freed_after < 2.0, freed_after
         assert service.stats.cancel_to_free_s[0] < 2.0
-        # A queued request that is cancelled before it starts never runs.
-        blocker = service.stream(SpeechRequest(text="Block. " * 10, seed=1))
-        queued = service.stream(SpeechRequest(text="Never.", seed=1))
+        # A queued request that is cancelled before it starts never runs (the blocker may or
+        # may not have started before its own cancel: either way the queued one must not).
+        started = service.stats.started
+        blocker = service.stream(SpeechRequest(text="Block. " * 10, seed=1,
+                                               tags={"turn": "blocker"}))
+        queued = service.stream(SpeechRequest(text="Never.", seed=1, tags={"turn": "never"}))
         queued.cancel()
         blocker.cancel()
         await asyncio.wait_for(queued.finished.wait(), 5)
-        assert service.stats.started <= 3
+        await asyncio.wait_for(blocker.finished.wait(), 5)
+        assert "never" not in service.stats.start_order
+        assert service.stats.started - started == service.stats.start_order.count("blocker")
+        assert queued.started_at is None
     finally:
         service.stop()
 

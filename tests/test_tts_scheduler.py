@@ -110,13 +110,20 @@ def test_incremental_decode_is_within_tolerance_of_the_windowed_decode(
 
 def test_codec_stream_state_resets_between_utterances(two_slots: list[QwenEngine]) -> None:
     decoder = two_slots[0].shared.base.model.speech_tokenizer.model.decoder
-    codes = torch.randint(0, 2048, (6, 16))
+    codes = torch.randint(0, 2048, (6, 16), generator=torch.Generator().manual_seed(6))
     stream = StreamingCodecDecoder(decoder)
+    stream.decode(codes[3:])  # an utterance before: its state must not leak into the next
+    stream.reset()
     first = np.concatenate([stream.decode(codes[:2]), stream.decode(codes[2:])])
     stream.reset()
     again = stream.decode(codes)
     assert stream.frames_decoded == 6
-    assert np.max(np.abs(first - again)) < 1e-5
+    # Chunked vs one call differ only in float32 summation order (other matrix shapes): the
+    # difference is held relative to the signal, 80 dB under its peak. Leaked state would
+    # differ at the level of the signal itself.
+    peak = float(np.max(np.abs(again)))
+    assert peak > 1e-3
+    assert np.max(np.abs(first - again)) <= 1e-4 * peak
 
 
 # --- cancellation -----------------------------------------------------------------------------

@@ -1,9 +1,14 @@
-"""A test Twilio: signs its upgrade, streams caller audio in real time, echoes marks on playback.
+"""A test Twilio: signs its upgrade, streams caller audio at 20 ms, echoes marks on playback.
 
 Behaves like Twilio's side of a bidirectional Media Stream closely enough to exercise the
-gateway over a real socket: ``connected`` + ``start``, 20 ms inbound ``media`` paced on a
-monotonic clock, ``dtmf``, and ``mark`` echoes sent when the simulated playback of everything
-received before the mark has finished (immediately on ``clear``, as Twilio does).
+gateway over a real socket: ``connected`` + ``start``, 20 ms inbound ``media`` paced on the
+event loop's monotonic clock, ``dtmf``, and ``mark`` echoes sent when the simulated playback of
+everything received before the mark has finished (immediately on ``clear``, as Twilio does).
+
+All its times are the event loop's (``loop.time()``): the real monotonic clock on an ordinary
+loop, virtual time in a :class:`virtual_time.VirtualTimeLoop` shared with the gateway. Only
+:meth:`FakeTwilioCall.wait_for` gives up on real time, so a test never hangs however fast
+virtual time runs.
 """
 
 from __future__ import annotations
@@ -54,7 +59,13 @@ class FakeTwilioCall:
         self._pending_marks: list[tuple[float, str]] = []
         self._seq = 0
         self._new_message = asyncio.Event()
+        self._marks_changed = asyncio.Event()
         self._speech: list[str] = []
+
+    @staticmethod
+    def now() -> float:
+        """The event loop's time (virtual in a VirtualTimeLoop)."""
+        return asyncio.get_running_loop().time()
 
     # --- connection ---------------------------------------------------------------------------
 
@@ -76,7 +87,7 @@ class FakeTwilioCall:
         self, custom: dict[str, str] | None = None, *, stream_media: bool = True
     ) -> None:
         await self.send_json({"event": "connected", "protocol": "Call", "version": "1.0.0"})
-        self.started_at = time.monotonic()
+        self.started_at = self.now()
         await self.send_json(
             {
                 "event": "start",
@@ -136,7 +147,7 @@ class FakeTwilioCall:
                 "dtmf": {"track": "inbound_track", "digit": digit},
             }
         )
-        return time.monotonic()
+        return self.now()
 
     async def send_stop(self) -> None:
         await self.send_json(
@@ -155,7 +166,7 @@ class FakeTwilioCall:
 
     async def _inbound_media(self) -> None:
         """Caller audio every 20 ms against a monotonic deadline (never drifting sleeps)."""
-        deadline = time.monotonic()
+        deadline = self.now()
         chunk = 0
         while not self.closed.is_set():
             chunk += 1
@@ -175,7 +186,7 @@ class FakeTwilioCall:
             )
             self.media_sent += 1
             deadline += FRAME_S
-            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+            await asyncio.sleep(max(0.0, deadline - self.now()))
 
     # --- receiving ----------------------------------------------------------------------------
 
@@ -183,7 +194,7 @@ class FakeTwilioCall:
         assert self._ws is not None
         try:
             async for raw in self._ws:
-                now = time.monotonic()
+                now = self.now()
                 message = json.loads(raw)
                 self.received.append(Received(now, message))
                 event = message.get("event")
@@ -194,10 +205,12 @@ class FakeTwilioCall:
                     )
                 elif event == "mark":
                     self._pending_marks.append((self._playout_end, message["mark"]["name"]))
+                    self._marks_changed.set()
                 elif event == "clear":
                     # Twilio empties its buffer and returns every outstanding mark at once.
                     self._playout_end = now
                     self._pending_marks = [(now, name) for _, name in self._pending_marks]
+                    self._marks_changed.set()
                 self._new_message.set()
         except websockets.ConnectionClosed:
             pass
@@ -208,8 +221,9 @@ class FakeTwilioCall:
             self._new_message.set()
 
     async def _mark_echoer(self) -> None:
+        """Echo each mark when the simulated playback reaches it (sleeping until then)."""
         while not self.closed.is_set():
-            now = time.monotonic()
+            now = self.now()
             due = [m for m in self._pending_marks if m[0] <= now]
             for item in due:
                 self._pending_marks.remove(item)
@@ -225,7 +239,13 @@ class FakeTwilioCall:
                 except websockets.ConnectionClosed:
                     return
                 self.marks_echoed.append(item[1])
-            await asyncio.sleep(0.005)
+            self._marks_changed.clear()
+            later = [m[0] for m in self._pending_marks]
+            wait = max(0.0, min(later) - self.now()) if later else None
+            try:
+                await asyncio.wait_for(self._marks_changed.wait(), wait)
+            except TimeoutError:
+                pass
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -233,7 +253,9 @@ class FakeTwilioCall:
         return [r for r in self.received if r.message.get("event") == name]
 
     async def wait_for(self, predicate: Any, timeout: float = 30.0) -> Any:
-        """Wait until ``predicate()`` returns something truthy (checked on every message)."""
+        """Wait until ``predicate()`` returns something truthy (checked on every message, and
+        every 50 ms of loop time for server state that changes without one); gives up after
+        ``timeout`` seconds of *real* time."""
         deadline = time.monotonic() + timeout
         while True:
             result = predicate()

@@ -1,17 +1,44 @@
-"""Telephone-band conditioning of TTS output before it is resampled: leading-silence trim.
+"""Phone-audio conditioning of TTS output (24 kHz float, before it is resampled to 8 kHz).
 
-Qwen3-TTS often starts an utterance with tens of milliseconds of near silence (the Nari Labs
-latency write-up recovered ~80 ms of first audio by not sending it). :class:`LeadingSilenceTrimmer`
-drops samples until the onset of speech, keeps a short pre-roll before the onset so a soft
-consonant is not clipped, and fades that pre-roll in with a raised cosine so the first sample
-sent is not a step (a click). Samples from the onset on pass through bit-identical. Trailing
-audio is never touched: an utterance ends where the model ends it, never mid-word.
+Three things stand between what the model says and what the caller should hear, all in the
+call's phone path (:class:`gateway.audio.framer.PhonePipeline`), so live speech and cached
+prompts (rendered through the same path) sound the same:
+
+- :class:`LeadingSilenceTrimmer`: Qwen3-TTS often starts an utterance with tens of milliseconds
+  of near silence (the Nari Labs latency write-up recovered ~80 ms of first audio by not sending
+  it). It drops samples until the onset of speech, keeps a short pre-roll before the onset so a
+  soft consonant is not clipped, and fades that pre-roll in with a raised cosine so the first
+  sample sent is not a step (a click). Samples from the onset on pass through bit-identical.
+  Trailing audio is never touched: an utterance ends where the model ends it, never mid-word.
+- :class:`LevelNormalizer`: brings each utterance towards one active-speech level and limits its
+  peaks below full scale with a look-ahead limiter, so a loud voice never clips in G.711 (whose
+  codes saturate at full scale: clipping is heard as harsh distortion on every peak).
+- :func:`fade_out_frame`: the short fade that replaces the next 20 ms when a barge-in stops a
+  prompt, so the caller hears the prompt fade instead of a step to silence (a click).
+
+:class:`SpeechConditioner` chains trim and level for one utterance at a time. Everything here is
+chunk-invariant (the output depends only on the samples, never on how they were chunked), which
+keeps a live render and its cached copy identical.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
+
+from gateway.audio.g711 import Codec, alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
+
+__all__ = [
+    "Conditioning",
+    "LeadingSilenceTrimmer",
+    "LevelNormalizer",
+    "SpeechConditioner",
+    "fade_out_frame",
+]
+
+_EMPTY = np.zeros(0, dtype=np.float32)
 
 #: Onset threshold: -50 dBFS peak. Speech onsets cross it within a few ms; codec noise floors of
 #: a silent start stay below it.
@@ -81,3 +108,202 @@ class LeadingSilenceTrimmer:
         self._done = True
         self._held = np.zeros(0, dtype=np.float32)
         return out
+
+
+def _db(value: float) -> float:
+    return float(10 ** (value / 20))
+
+
+class LevelNormalizer:
+    """Streaming level normalisation and peak limiting for one utterance (24 kHz float32).
+
+    Audio is processed in fixed 10 ms blocks counted from the utterance's first sample, each
+    with ``lookahead_blocks`` of look-ahead, so the output depends only on the samples (chunked
+    == whole) and a block is emitted as soon as its look-ahead has arrived (a TTS chunk is 80 ms
+    or more: only its last ``lookahead_blocks`` wait for the next chunk or :meth:`flush`).
+
+    The gain of block ``k`` is the smaller of
+
+    - the level gain: ``target / level`` clamped to ``[min_gain_db, max_gain_db]``, where
+      ``level`` is the RMS of the active blocks (above ``gate_dbfs``) from the utterance's start
+      up to the end of block ``k``'s look-ahead, moved at most ``agc_db_per_s`` from block to
+      block (no pumping), and
+    - the limiter gain: ``ceiling / peak`` over block ``k`` and its look-ahead, so the gain is
+      already down when a peak arrives; after a peak it recovers at ``release_db_per_s``.
+
+    Within a block the gain ramps linearly from the previous block's end value, so gain changes
+    never step. No output sample exceeds ``ceiling_dbfs``: each block's ramp stays at or below
+    the limiter gain of that block, which the previous block's look-ahead already respected.
+    """
+
+    def __init__(
+        self,
+        sample_rate: int = 24_000,
+        target_dbfs: float = -20.0,
+        ceiling_dbfs: float = -1.0,
+        max_gain_db: float = 6.0,
+        min_gain_db: float = -18.0,
+        gate_dbfs: float = -45.0,
+        block_s: float = 0.01,
+        lookahead_blocks: int = 2,
+        agc_db_per_s: float = 20.0,
+        release_db_per_s: float = 30.0,
+    ) -> None:
+        if lookahead_blocks < 1:
+            raise ValueError("lookahead_blocks must be >= 1 (the limiter needs it)")
+        if ceiling_dbfs > 0:
+            raise ValueError(f"ceiling_dbfs must be <= 0, got {ceiling_dbfs}")
+        self.block = max(1, round(block_s * sample_rate))
+        self.lookahead = lookahead_blocks
+        self.target = _db(target_dbfs)
+        self.ceiling = _db(ceiling_dbfs)
+        self.max_gain = _db(max_gain_db)
+        self.min_gain = _db(min_gain_db)
+        self._gate_power = _db(gate_dbfs) ** 2
+        blocks_per_s = sample_rate / self.block
+        self._agc_step = _db(agc_db_per_s / blocks_per_s)
+        self._release = _db(release_db_per_s / blocks_per_s)
+        self._ramp = ((np.arange(self.block) + 1) / self.block).astype(np.float32)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the utterance: the next sample is the first of a new one."""
+        self._pending = _EMPTY
+        #: Per measured block (not yet emitted): peak and the cumulative active power/count.
+        self._peaks: list[float] = []
+        self._levels: list[float | None] = []
+        self._power_sum = 0.0
+        self._active = 0
+        self._measured = 0
+        self._gain: float | None = None
+        self._agc: float | None = None
+        #: Lowest gain applied so far in this utterance (1.0 = untouched).
+        self.min_applied = 1.0
+
+    def push(self, chunk: npt.NDArray[np.floating]) -> npt.NDArray[np.float32]:
+        """Feed samples; returns the conditioned samples that may be sent now."""
+        x = np.concatenate([self._pending, np.asarray(chunk, dtype=np.float32)])
+        full = len(x) // self.block
+        self._measure(x, full)
+        emit = max(0, full - self.lookahead)
+        out = self._emit(x, emit, final=False)
+        self._pending = x[emit * self.block :]
+        return out
+
+    def flush(self) -> npt.NDArray[np.float32]:
+        """End of utterance: emit everything held back (the last block may be short)."""
+        x = self._pending
+        full = len(x) // self.block
+        self._measure(x, full, partial=len(x) % self.block != 0)
+        blocks = full + (1 if len(x) % self.block else 0)
+        out = self._emit(x, blocks, final=True)
+        self.reset()
+        return out
+
+    def _measure(self, x: npt.NDArray[np.float32], full: int, partial: bool = False) -> None:
+        # Blocks already measured are the first len(self._peaks) of x (not yet emitted).
+        b = self.block
+        start = len(self._peaks)
+        stop = full + (1 if partial else 0)
+        for i in range(start, stop):
+            block = x[i * b : (i + 1) * b]
+            peak = float(np.max(np.abs(block))) if block.size else 0.0
+            power = float(np.dot(block, block)) / max(1, block.size)
+            if power >= self._gate_power:
+                self._power_sum += power
+                self._active += 1
+            self._peaks.append(peak)
+            self._levels.append(
+                float(np.sqrt(self._power_sum / self._active)) if self._active else None
+            )
+
+    def _emit(self, x: npt.NDArray[np.float32], blocks: int, *, final: bool
+              ) -> npt.NDArray[np.float32]:
+        if blocks <= 0:
+            return _EMPTY
+        b = self.block
+        out = np.empty(min(len(x), blocks * b), dtype=np.float32)
+        for k in range(blocks):
+            ahead = self._peaks[k : k + self.lookahead + 1]
+            level = self._levels[min(k + self.lookahead, len(self._levels) - 1)]
+            wanted = 1.0 if level is None or level <= 0 else min(
+                self.max_gain, max(self.min_gain, self.target / level))
+            if self._agc is None:
+                self._agc = wanted
+            elif wanted > self._agc:
+                self._agc = min(wanted, self._agc * self._agc_step)
+            else:
+                self._agc = max(wanted, self._agc / self._agc_step)
+            peak = max(ahead) if ahead else 0.0
+            limit = self.ceiling / peak if peak > 0 else float("inf")
+            end = min(self._agc, limit)
+            start = end if self._gain is None else self._gain
+            end = min(end, start * self._release)
+            self._gain = end
+            self.min_applied = min(self.min_applied, start, end)
+            block = x[k * b : (k + 1) * b]
+            ramp = start + (end - start) * self._ramp[: block.size]
+            np.multiply(block, ramp, out=out[k * b : k * b + block.size])
+        del self._peaks[:blocks]
+        del self._levels[:blocks]
+        return out
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """Which conditioning the phone path applies (from settings; see the README table)."""
+
+    trim_leading_silence: bool = True
+    normalize_level: bool = True
+    target_dbfs: float = -20.0
+
+    def new(self) -> SpeechConditioner:
+        """A conditioner for one call (reset between utterances)."""
+        return SpeechConditioner(
+            LeadingSilenceTrimmer() if self.trim_leading_silence else None,
+            LevelNormalizer(target_dbfs=self.target_dbfs) if self.normalize_level else None,
+        )
+
+
+class SpeechConditioner:
+    """Trim, then level, one utterance at a time (24 kHz float32 in and out)."""
+
+    __slots__ = ("level", "trimmer")
+
+    def __init__(self, trimmer: LeadingSilenceTrimmer | None,
+                 level: LevelNormalizer | None) -> None:
+        self.trimmer = trimmer
+        self.level = level
+
+    def push(self, chunk: npt.NDArray[np.floating]) -> npt.NDArray[np.float32]:
+        x = np.asarray(chunk, dtype=np.float32)
+        if self.trimmer is not None:
+            x = self.trimmer.push(x)
+        if self.level is not None:
+            x = self.level.push(x)
+        return x
+
+    def flush(self) -> npt.NDArray[np.float32]:
+        out = self.level.flush() if self.level is not None else _EMPTY
+        if self.trimmer is not None:
+            self.trimmer.reset()
+        return out
+
+    def reset(self) -> None:
+        if self.trimmer is not None:
+            self.trimmer.reset()
+        if self.level is not None:
+            self.level.reset()
+
+
+def fade_out_frame(frame: bytes, codec: Codec) -> bytes:
+    """``frame`` (G.711) faded from full level to silence with a raised cosine.
+
+    Sent in place of the next 20 ms when a barge-in stops a prompt: the caller hears the prompt
+    fade out over one frame instead of a step from mid-waveform to silence.
+    """
+    pcm = ulaw_decode(frame) if codec == "pcmu" else alaw_decode(frame)
+    n = len(pcm)
+    ramp = 0.5 + 0.5 * np.cos(np.pi * (np.arange(n) + 1) / n)
+    faded = np.rint(pcm * ramp).astype(np.int16)
+    return ulaw_encode(faded) if codec == "pcmu" else alaw_encode(faded)

@@ -13,6 +13,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from gateway.audio.condition import SpeechConditioner
 from gateway.audio.g711 import Codec, Encoder, codec_silence
 from gateway.audio.resample import Decimator24kTo8k
 
@@ -85,15 +86,19 @@ class Framer:
 class PhonePipeline:
     """Qwen3-TTS 24 kHz float32 -> 8 kHz G.711 20 ms frames, for one call and direction.
 
-    Composes :class:`~gateway.audio.resample.Decimator24kTo8k`, float -> int16 and G.711
-    (``pcmu`` or ``pcma``), and :class:`Framer`. The byte stream it produces depends only on the
-    utterance's samples, never on how they were chunked, and carries exactly ``ceil(n_in / 3)``
-    real samples followed by at most 159 silence bytes of padding at the utterance's end.
+    Composes the optional phone-audio ``conditioner`` (leading-silence trim and level, see
+    :mod:`gateway.audio.condition`), :class:`~gateway.audio.resample.Decimator24kTo8k`, float ->
+    int16 and G.711 (``pcmu`` or ``pcma``), and :class:`Framer`. The byte stream it produces
+    depends only on the utterance's samples, never on how they were chunked; without a
+    conditioner it carries exactly ``ceil(n_in / 3)`` real samples followed by at most 159
+    silence bytes of padding at the utterance's end.
     """
 
-    __slots__ = ("_decimator", "_encoder", "_framer", "tap")
+    __slots__ = ("_conditioner", "_decimator", "_encoder", "_framer", "tap")
 
-    def __init__(self, codec: Codec = "pcmu") -> None:
+    def __init__(self, codec: Codec = "pcmu",
+                 conditioner: SpeechConditioner | None = None) -> None:
+        self._conditioner = conditioner
         self._encoder = Encoder(codec)
         self._decimator = Decimator24kTo8k()
         self._framer = Framer(codec_silence(codec))
@@ -107,6 +112,26 @@ class PhonePipeline:
 
     def push(self, chunk: npt.NDArray[np.floating]) -> list[bytes]:
         """Feed 24 kHz float samples in [-1, 1); return the 160-byte frames now complete."""
+        if self._conditioner is not None:
+            chunk = self._conditioner.push(chunk)
+        return self._resample_and_frame(chunk)
+
+    def flush(self) -> list[bytes]:
+        """End of utterance: emit all remaining audio, the last frame padded with silence."""
+        if self._conditioner is not None:
+            held = self._conditioner.flush()
+            frames = self._resample_and_frame(held) if held.shape[0] else []
+        else:
+            frames = []
+        y = self._decimator.flush()
+        if self.tap is not None and y.shape[0]:
+            self.tap.append(y.copy())
+        if y.shape[0]:
+            frames.extend(self._framer.push(self._encoder.encode_array(y).data))
+        frames.extend(self._framer.flush())
+        return frames
+
+    def _resample_and_frame(self, chunk: npt.NDArray[np.floating]) -> list[bytes]:
         y = self._decimator.push(chunk)
         if not y.shape[0]:
             return []
@@ -115,16 +140,9 @@ class PhonePipeline:
         # .data is a memoryview of the encoder's scratch; the framer copies it before returning.
         return self._framer.push(self._encoder.encode_array(y).data)
 
-    def flush(self) -> list[bytes]:
-        """End of utterance: emit all remaining audio, the last frame padded with silence."""
-        y = self._decimator.flush()
-        if self.tap is not None and y.shape[0]:
-            self.tap.append(y.copy())
-        frames = self._framer.push(self._encoder.encode_array(y).data) if y.shape[0] else []
-        frames.extend(self._framer.flush())
-        return frames
-
     def reset(self) -> None:
         """Drop everything buffered (barge-in); the next push starts a new utterance."""
+        if self._conditioner is not None:
+            self._conditioner.reset()
         self._decimator.reset()
         self._framer.reset()

@@ -41,7 +41,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from gateway.audio.g711 import ulaw_decode
+from gateway.audio.g711 import Codec, alaw_decode, ulaw_decode
 from gateway.errors import ModelLoadError
 
 __all__ = [
@@ -71,10 +71,13 @@ _STATE_SHAPE: Final[tuple[int, int, int]] = (2, 1, 128)
 _MARGIN: Final[float] = 10.0 ** (AUDIBLE_MARGIN_DB / 10.0)
 _ABS_FLOOR: Final[float] = 10.0 ** (ABSOLUTE_FLOOR_DBFS / 10.0)
 
-# mu-law code -> float sample in [-1, 1), built from the project's bit-exact decoder so that
-# decoding a frame is one gather into the model's input buffer.
+# G.711 code -> float sample in [-1, 1), built from the project's bit-exact decoders so that
+# decoding a frame is one gather into the model's input buffer, whichever codec the call uses
+# (an A-law call is decoded as A-law once, never transcoded to mu-law first).
 _ULAW_FLOAT: Final = (ulaw_decode(np.arange(256, dtype=np.uint8)) / 32768.0).astype(np.float32)
 _ULAW_FLOAT.flags.writeable = False
+_ALAW_FLOAT: Final = (alaw_decode(np.arange(256, dtype=np.uint8)) / 32768.0).astype(np.float32)
+_ALAW_FLOAT.flags.writeable = False
 
 _session: Any = None
 _session_lock = threading.Lock()
@@ -140,7 +143,7 @@ def load_session() -> Any:
 
 
 class SpeechStartDetector:
-    """Turns one call's inbound mu-law frames into "the caller started speaking" events.
+    """Turns one call's inbound G.711 frames into "the caller started speaking" events.
 
     One per call (STYLE.md rule 6); not thread-safe. Feed every inbound frame to :meth:`push`,
     in order. Durations are counted in audio samples, not wall-clock time, and have a resolution
@@ -162,6 +165,7 @@ class SpeechStartDetector:
         "_session",
         "_silence",
         "_speaking",
+        "_table",
         "_threshold",
         "_window",
         "_x",
@@ -179,12 +183,17 @@ class SpeechStartDetector:
         sample_rate: int = 8000,
         *,
         session: Any = None,
+        codec: Codec = "pcmu",
     ) -> None:
-        """Create a detector; ``session`` defaults to the shared :func:`load_session` one."""
+        """Create a detector for ``codec`` frames; ``session`` defaults to the shared
+        :func:`load_session` one."""
         if min_speech_ms < 0 or min_silence_ms < 0:
             raise ValueError("min_speech_ms and min_silence_ms must be >= 0")
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"threshold must be between 0 and 1, got {threshold}")
+        if codec not in ("pcmu", "pcma"):
+            raise ValueError(f"unknown G.711 codec {codec!r}; expected 'pcmu' or 'pcma'")
+        self._table = _ULAW_FLOAT if codec == "pcmu" else _ALAW_FLOAT
         self._window, self._context = window_samples(sample_rate)
         self._threshold = float(threshold)
         self._neg_threshold = max(self._threshold - NEG_THRESHOLD_OFFSET, 0.01)
@@ -243,13 +252,14 @@ class SpeechStartDetector:
         self.samples = 0
         self.last_event_sample = None
 
-    def push(self, ulaw_frame: bytes | bytearray | memoryview) -> bool:
-        """Feed inbound mu-law audio (normally one 160-byte 20 ms frame; any length works).
+    def push(self, frame: bytes | bytearray | memoryview) -> bool:
+        """Feed inbound G.711 audio in the detector's codec (normally one 160-byte 20 ms frame;
+        any length works).
 
         Returns True when a speech start completed inside this audio: exactly once per caller
         turn, at the moment the speech has lasted ``min_speech_ms``.
         """
-        codes = np.frombuffer(ulaw_frame, dtype=np.uint8)
+        codes = np.frombuffer(frame, dtype=np.uint8)
         n = codes.shape[0]
         base = self.samples
         self.samples += n
@@ -261,7 +271,7 @@ class SpeechStartDetector:
             # mode="clip" lets take write straight into ``out`` (the default "raise" buffers);
             # a uint8 index can never be out of range of the 256-entry table anyway.
             np.take(
-                _ULAW_FLOAT,
+                self._table,
                 codes[pos : pos + take],
                 out=self._x[0, start : start + take],
                 mode="clip",

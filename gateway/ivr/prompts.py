@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.audio.condition import Conditioning
 from gateway.audio.g711 import float_to_int16
 from gateway.audio.resample import Decimator24kTo8k
 from gateway.ivr.cache import PromptCache, PromptKey
@@ -60,17 +61,25 @@ def request_for(script: Script, text: str, voice: ResolvedVoice | None = None) -
                          voice_prompt=voice.prompt if voice is not None else None)
 
 
-def pcm_from_chunks(chunks: Iterable[np.ndarray]) -> np.ndarray:
-    """24 kHz float chunks -> the 8 kHz int16 the cache stores (the call's own decimator)."""
+def pcm_from_chunks(chunks: Iterable[np.ndarray],
+                    conditioning: Conditioning | None = None) -> np.ndarray:
+    """24 kHz float chunks -> the 8 kHz int16 the cache stores, through the call's own phone
+    path (the same conditioning and decimator), so a cached prompt sounds like a live one."""
+    conditioner = conditioning.new() if conditioning is not None else None
     decimator = Decimator24kTo8k()
-    parts = [decimator.push(chunk) for chunk in chunks]
+    parts = []
+    for chunk in chunks:
+        parts.append(decimator.push(conditioner.push(chunk) if conditioner else chunk))
+    if conditioner is not None:
+        parts.append(decimator.push(conditioner.flush()))
     parts.append(decimator.flush())
     return float_to_int16(np.concatenate(parts) if parts else np.zeros(0, np.float32))
 
 
-def render_blocking(engine: Engine, request: SpeechRequest) -> np.ndarray:
+def render_blocking(engine: Engine, request: SpeechRequest,
+                    conditioning: Conditioning | None = None) -> np.ndarray:
     """Render one prompt synchronously (CLI)."""
-    return pcm_from_chunks(engine.stream(request))
+    return pcm_from_chunks(engine.stream(request), conditioning)
 
 
 async def render_missing(
@@ -79,6 +88,7 @@ async def render_missing(
     speech: SpeechService,
     fingerprint: str,
     voice: ResolvedVoice,
+    conditioning: Conditioning | None = None,
 ) -> tuple[int, int]:
     """Load every static prompt into memory, rendering the missing ones through the scheduler.
 
@@ -98,7 +108,7 @@ async def render_missing(
         t0 = time.monotonic()
         stream = speech.stream(request_for(script, text, voice))
         chunks = [chunk async for chunk in stream]
-        cache.put(key, pcm_from_chunks(chunks), render_s=time.monotonic() - t0)
+        cache.put(key, pcm_from_chunks(chunks, conditioning), render_s=time.monotonic() - t0)
         rendered += 1
 
     # Deadline order in the scheduler is submission order here; bound the burst by the slots.

@@ -3,7 +3,13 @@
 It walks the script's nodes: speaks (from the prompt cache when the sentence is static, live
 through the scheduler when it has variables), gathers DTMF with timeouts and retries, calls the
 company's webhook, and ends the call with a transport-neutral outcome (transfer or hang-up).
-Time comes from an injected :class:`Clock`, so tests run gathers and timeouts in virtual time.
+Time comes from the injected :class:`~gateway.clock.Clock` (gather timeouts and the webhook's
+deadline alike), so tests run them in virtual time.
+
+Where it sits: between the call and the speech. The runner picks each sentence, takes it from
+the prompt cache when it can (8 kHz PCM, :meth:`~gateway.call.session.Call.play`) or has it
+spoken live (:class:`~gateway.speech.Speaker`: a speech-service stream handed to
+:meth:`~gateway.call.session.Call.speak`); the call turns either into frames.
 
 Barge-in: while an interruptible ``say`` plays, a key press or the caller starting to speak
 stops it exactly like a DTMF barge-in; the digit is kept as type-ahead for the next gather.
@@ -14,17 +20,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import numpy as np
 
-from gateway.call import (
-    Call,
+from gateway.call.events import (
     CallEvent,
     Dtmf,
     HangUp,
@@ -33,8 +37,9 @@ from gateway.call import (
     SpeechFailed,
     SpeechStarted,
     TransferTo,
-    Utterance,
 )
+from gateway.call.session import Call, Dialog, Utterance
+from gateway.clock import Clock, SystemClock
 from gateway.ivr.cache import PromptCache, PromptKey
 from gateway.ivr.script import (
     Gather,
@@ -45,6 +50,7 @@ from gateway.ivr.script import (
     render,
     template_variables,
 )
+from gateway.speech import Speaker
 
 log = logging.getLogger(__name__)
 
@@ -54,84 +60,6 @@ MAX_WEBHOOK_BYTES = 64 * 1024
 MAX_VARIABLE_CHARS = 200
 #: Nodes visited by one call before the runner gives up (a script loop with no caller input).
 MAX_STEPS = 1000
-
-
-class Clock(Protocol):
-    """Time as the runner sees it."""
-
-    def now(self) -> float: ...
-
-    async def next_event(self, call: Call, timeout: float | None) -> CallEvent | None:
-        """The call's next event, or ``None`` once ``timeout`` seconds have passed."""
-
-
-class RealClock:
-    """Monotonic time and real waiting."""
-
-    def now(self) -> float:
-        return time.monotonic()
-
-    async def next_event(self, call: Call, timeout: float | None) -> CallEvent | None:
-        try:
-            return await asyncio.wait_for(call.events.get(), timeout)
-        except TimeoutError:
-            return None
-
-
-class VirtualClock:
-    """Test clock: time moves only when the test calls :meth:`advance`."""
-
-    def __init__(self, start: float = 0.0) -> None:
-        self._now = start
-        self._timers: list[tuple[float, asyncio.Future[None]]] = []
-        #: Timed waits started so far (tests wait for the runner to reach the next one).
-        self.waits = 0
-
-    def now(self) -> float:
-        return self._now
-
-    async def advance(self, seconds: float) -> None:
-        """Move time forward, firing every timeout that falls due, and let tasks run."""
-        target = self._now + seconds
-        while True:
-            due = sorted((t for t in self._timers if t[0] <= target), key=lambda t: t[0])
-            if not due:
-                break
-            deadline, future = due[0]
-            self._timers.remove(due[0])
-            self._now = deadline
-            if not future.done():
-                future.set_result(None)
-            for _ in range(5):
-                await asyncio.sleep(0)
-        self._now = target
-        for _ in range(5):
-            await asyncio.sleep(0)
-
-    @property
-    def waiting(self) -> bool:
-        """True while something waits on a timeout."""
-        return any(not f.done() for _, f in self._timers)
-
-    async def next_event(self, call: Call, timeout: float | None) -> CallEvent | None:
-        getter = asyncio.ensure_future(call.events.get())
-        if timeout is None:
-            return await getter
-        timer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (self._now + timeout, timer)
-        self.waits += 1
-        self._timers.append(entry)
-        try:
-            waiters: set[asyncio.Future[Any]] = {getter, timer}
-            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if entry in self._timers:
-                self._timers.remove(entry)
-        if getter in done:
-            timer.cancel()
-            return getter.result()
-        getter.cancel()
-        return None
 
 
 class _CallEnded(Exception):
@@ -150,7 +78,9 @@ class RunnerContext:
     cache: PromptCache
     model_fingerprint: str
     voice_identity: str
-    clock: Clock = field(default_factory=RealClock)
+    #: Live speech in the script's voice (sentences with variables, cache misses).
+    speaker: Speaker
+    clock: Clock = field(default_factory=SystemClock)
     http: httpx.AsyncClient | None = None
     #: WAV files named by ``play`` nodes, loaded and converted to 8 kHz PCM at start-up.
     sounds: dict[str, np.ndarray] = field(default_factory=dict)
@@ -165,6 +95,22 @@ class RunnerContext:
             text=text,
             seed=voice.seed,
         )
+
+
+class IvrDialogs:
+    """The :class:`~gateway.call.lifecycle.DialogFactory` of a gateway running one script.
+
+    (A line router choosing a script per dialled number is another factory of the same shape.)
+    """
+
+    def __init__(self, context: RunnerContext) -> None:
+        self.context = context
+
+    def for_call(self, call: Call) -> Dialog:
+        return self._run
+
+    async def _run(self, call: Call) -> None:
+        await IvrRunner(call, self.context, dict(call.parameters)).run()
 
 
 class IvrRunner:
@@ -255,7 +201,7 @@ class IvrRunner:
             pcm = self.ctx.cache.peek(self.ctx.key(text))
             if pcm is not None:
                 return self.call.play(pcm, label=text, turn_started_at=turn)
-        return self.call.say(text, turn_started_at=turn, capture=cacheable)
+        return self.ctx.speaker.say(self.call, text, turn_started_at=turn, capture=cacheable)
 
     def _after_utterance(self, item: SayItem, text: str, utterance: Utterance) -> None:
         # A cacheable sentence rendered live (a cache miss) is stored once complete.
@@ -306,7 +252,7 @@ class IvrRunner:
         :class:`PlaybackDone` event) or fails.
         """
         if utterance is not None:
-            getter = asyncio.ensure_future(self.clock.next_event(self.call, None))
+            getter = asyncio.ensure_future(self.call.events.get())
             played = asyncio.ensure_future(utterance.played.wait())
             generated = asyncio.ensure_future(utterance.failed.wait())
             waiters = {getter, played, generated}
@@ -328,11 +274,20 @@ class IvrRunner:
         deadline = None if timeout is None else self.clock.now() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - self.clock.now())
-            event = await self.clock.next_event(self.call, remaining)
-            if isinstance(event, Hangup) or self.call.ended:
+            got = await self._event_within(remaining)
+            if isinstance(got, Hangup) or self.call.ended:
                 raise _CallEnded()
-            if not isinstance(event, PlaybackDone):
-                return event
+            if not isinstance(got, PlaybackDone):
+                return got
+
+    async def _event_within(self, timeout: float | None) -> CallEvent | None:
+        """The call's next event, or ``None`` once ``timeout`` seconds have passed."""
+        if timeout is None:
+            return await self.call.events.get()
+        try:
+            return await self.clock.wait_for(self.call.events.get(), timeout)
+        except TimeoutError:
+            return None
 
     # --- gathering ----------------------------------------------------------------------------
 
@@ -391,7 +346,7 @@ class IvrRunner:
             # httpx's timeout bounds each read, not the whole exchange: a backend trickling a
             # byte a second would hold the call forever. The deadline covers everything, and
             # the body is read in chunks only up to the limit (never buffered whole first).
-            async with asyncio.timeout(hook.timeout):
+            async with self.clock.timeout(hook.timeout):
                 content = await _post_json(client, hook, body)
             data = json.loads(content)
         except (TimeoutError, httpx.TimeoutException):
@@ -409,7 +364,7 @@ class IvrRunner:
         merged = _merge_variables(data)
         self.variables.update(merged)
         # The turn that follows a webhook is measured from its answer.
-        self._turn_at = time.monotonic()
+        self._turn_at = self.clock.now()
         log.info("call %s: webhook %s set %s", self.call.call_id, name, sorted(merged))
 
 

@@ -1,36 +1,31 @@
-"""The asyncio shell of the SIP endpoint: UDP sockets, timers, and the bridge to :class:`Call`.
+"""The SIP/RTP adapter: UDP sockets and timers around the sans-I/O core, bound to calls.
 
-It only pumps: datagrams into :class:`~gateway.sip.uas.UasCore` and
-:class:`~gateway.sip.rtp` objects, their effects out to sockets and to the call. Per call, a
-:class:`SipMedia` owns one RTP socket and implements the call's transport: 20 ms frames paced on
-a monotonic deadline (STYLE rule 5), marks reported when the frame before them has been sent,
-barge-in that simply stops the stream (nothing is buffered at the far end to clear), RFC 4733
-digits and caller speech delivered as the same events the Twilio transport delivers.
+It only pumps and translates: datagrams into :class:`~gateway.sip.uas.UasCore` and
+:mod:`gateway.sip.rtp` objects, their effects out to sockets and to the call lifecycle
+(:mod:`gateway.call`). An INVITE is admitted by the replica's one admission (the core asks it;
+the seat is taken as the INVITE arrives, so a ringing call counts); an answered call is started
+by the lifecycle; BYE, CANCEL, a lost ACK or the lifecycle's inactivity watch end it.
+
+Per call, a :class:`SipMedia` owns one RTP socket and is the call's transport: it declares how
+RTP plays (:data:`RTP_PLAYOUT`: one packet per 20 ms, silence when idle, a mark played once the
+frame before it is sent, barge-in faded and marked as a new talkspurt) and puts each frame the
+call's playout releases into an RTP packet. Inbound, it latches symmetric RTP, and hands caller
+audio (in the call's codec, decoded once by the speech detector) and RFC 4733 digits to the call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gateway.audio.g711 import alaw_decode, codec_silence, ulaw_encode
-from gateway.audio.pacer import Pacer
-from gateway.call import (
-    Call,
-    CallOutcome,
-    Codec,
-    Dtmf,
-    HangUp,
-    Hangup,
-    PlaybackDone,
-    SpeechStarted,
-    TransferTo,
-)
-from gateway.logs import call_context
+from gateway.call.events import CallOutcome, Codec, TransferTo
+from gateway.call.lifecycle import CallLifecycle
+from gateway.call.playout import PlayoutPolicy
+from gateway.call.session import Call
+from gateway.metrics import Metrics
 from gateway.sip.rtp import DtmfReceiver, RtpError, RtpPacket, RtpReceiverStats, RtpSender
 from gateway.sip.sdp import Answer
 from gateway.sip.uas import (
@@ -41,23 +36,37 @@ from gateway.sip.uas import (
     Effect,
     IncomingCall,
     MediaChanged,
+    Refused,
     SendTo,
     TransferDone,
     UasConfig,
     UasCore,
 )
 
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
-    from gateway.audio.vad import SpeechStartDetector
-
 log = logging.getLogger(__name__)
 
-_MARK = object()
+__all__ = ["RTP_PLAYOUT", "MediaStats", "SipEndpoint", "SipMedia"]
+
+#: How RTP plays: the gateway owns the stream (lead 0), so pacing is one packet per 20 ms beat,
+#: silence keeps the stream continuous (NAT bindings, the far end's media timers; a gap would be
+#: heard as a click), a stream more than 5 frames (100 ms, the deep end of jitter buffers) behind
+#: re-anchors instead of bursting, and a barge-in fades the next frame out.
+RTP_PLAYOUT = PlayoutPolicy(
+    lead_s=0.0,
+    max_frames_per_send=1,
+    min_frames_per_send=1,
+    keepalive=True,
+    max_lag_frames=5,
+    far_end_marks=False,
+    fade_on_interrupt=True,
+)
+
+#: How long a REFER may wait for its final NOTIFY before the caller is hung up (64*T1).
+TRANSFER_TIMEOUT_S = 32.0
 
 
 class _Udp(asyncio.DatagramProtocol):
-    def __init__(self, on_datagram: Any) -> None:
+    def __init__(self, on_datagram: Callable[[bytes, tuple[str, int]], None]) -> None:
         self.on_datagram = on_datagram
         self.transport: asyncio.DatagramTransport | None = None
 
@@ -84,14 +93,15 @@ class MediaStats:
 
 
 class SipMedia:
-    """One call's RTP session and the :class:`~gateway.call.CallTransport` behind the call."""
+    """One call's RTP session: the :class:`~gateway.call.session.CallTransport` of a SIP call."""
+
+    playout = RTP_PLAYOUT
 
     def __init__(self, endpoint: SipEndpoint, key: str, answer: Answer,
                  sock: asyncio.DatagramTransport, protocol: _Udp) -> None:
         self.endpoint = endpoint
         self.key = key
         self.codec: Codec = "pcmu" if answer.codec.upper() == "PCMU" else "pcma"
-        self._silence = bytes([codec_silence(self.codec)]) * 160
         self.answer = answer
         self.sock = sock
         protocol.on_datagram = self._on_rtp
@@ -100,18 +110,11 @@ class SipMedia:
         self.rx = RtpReceiverStats()
         self.stats = MediaStats()
         self.call: Call | None = None
-        self.vad: SpeechStartDetector | None = None
         # Symmetric RTP (RFC 4961): send where the caller's RTP comes from once it arrives;
         # until then, to the address in its SDP.
         self.remote = answer.remote_rtp
         self._latched = False
-        self._queue: collections.deque[object] = collections.deque()
-        self._pacer_task: asyncio.Task[None] | None = None
         self._on_hold = answer.on_hold
-        # When the caller's RTP last arrived (or the call began, or came off hold): a caller
-        # whose media stops for endpoint.rtp_timeout_s is gone, whether or not a BYE says so.
-        self.last_rx = time.monotonic()
-        self.timed_out = False
 
     @property
     def on_hold(self) -> bool:
@@ -120,26 +123,29 @@ class SipMedia:
 
     @on_hold.setter
     def on_hold(self, value: bool) -> None:
-        if self._on_hold and not value:
-            self.last_rx = time.monotonic()  # the silence of the hold does not count
         self._on_hold = value
+        if self.call is not None:
+            self.call.hold(value)
+
+    @property
+    def timed_out(self) -> bool:
+        """The call's inactivity watch gave up on the caller's RTP."""
+        return self.call is not None and self.call.timed_out
 
     # --- CallTransport ------------------------------------------------------------------------
 
     async def send_frames(self, frames: list[bytes]) -> None:
-        self._queue.extend(frames)
+        for frame in frames:
+            self.sock.sendto(self.sender.packet(frame), self.remote)
+        self.stats.sent += len(frames)
 
     async def send_mark(self, name: str) -> None:
-        self._queue.append((_MARK, name))
+        raise AssertionError("RTP has no far-end marks (RTP_PLAYOUT.far_end_marks is False)")
 
     async def clear(self) -> None:
-        # Barge-in: nothing is buffered at the far end, so dropping our queue stops the audio
-        # within one frame; the next utterance starts a new talkspurt (marker bit).
-        self._queue.clear()
+        # Barge-in: nothing is buffered at the far end to clear; the next utterance starts a new
+        # talkspurt (marker bit, RFC 3551 4.1).
         self.sender.start_talkspurt()
-
-    async def hangup(self) -> None:
-        await self.end(HangUp())
 
     async def end(self, outcome: CallOutcome) -> None:
         if isinstance(outcome, TransferTo):
@@ -147,55 +153,8 @@ class SipMedia:
         else:
             self.endpoint.hangup(self.key)
 
-    # --- sending ------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._pacer_task = asyncio.create_task(self._pace(), name=f"rtp-{self.key[:16]}")
-
-    async def _pace(self) -> None:
-        """One packet every 20 ms against a monotonic deadline; silence when idle.
-
-        Continuous RTP keeps NAT bindings and the far end's media timers alive; a gap in our
-        stream would also be heard as a click.
-        """
-        pacer = Pacer()
-        pacer.start(time.monotonic())
-        while True:
-            deadline = pacer.next_deadline()
-            delay = deadline - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            frame = self._next_frame()
-            if self.on_hold:
-                continue
-            self._check_inactivity(deadline)
-            packet = self.sender.packet(frame if frame is not None else self._silence)
-            self.sock.sendto(packet, self.remote)
-            self.stats.sent += 1
-
-    def _check_inactivity(self, now: float) -> None:
-        """Checked on the pacer's 20 ms beat: no timer per packet, and none at all when held."""
-        limit = self.endpoint.rtp_timeout_s
-        if limit <= 0 or self.timed_out or now - self.last_rx < limit:
-            return
-        self.timed_out = True
-        log.warning("sip call %s: no RTP from the caller for %.1f s; hanging up", self.key[:24],
-                    now - self.last_rx)
-        self.endpoint.state.metrics.calls_inbound_timeouts.labels("sip").inc()
-        self.endpoint.hangup(self.key, "rtp timeout")
-
-    def _next_frame(self) -> bytes | None:
-        queue = self._queue
-        while queue:
-            item = queue.popleft()
-            if isinstance(item, tuple):
-                # Everything before the mark has gone out: report it as played.
-                if self.call is not None:
-                    self.call.deliver(PlaybackDone(item[1]))
-                continue
-            assert isinstance(item, bytes)
-            return item
-        return None
+    def abort(self, reason: str) -> None:
+        self.endpoint.hangup(self.key, reason)
 
     # --- receiving ----------------------------------------------------------------------------
 
@@ -218,9 +177,11 @@ class SipMedia:
             self.remote = addr
             self._latched = True
         self.stats.received += 1
-        # One clock read per packet, shared by the inactivity timer, jitter and DTMF.
-        now = self.last_rx = time.monotonic()
+        # One clock read per packet, shared by the inactivity watch, jitter and DTMF.
+        now = self.endpoint.clock.now()
         call = self.call
+        if call is not None:
+            call.received(now)
         if packet.payload_type == self.answer.telephone_event_pt:
             # Events share the audio's sequence space (loss accounting) but repeat their start
             # timestamp, so they take no part in the jitter estimate (RFC 4733 2.3).
@@ -233,24 +194,15 @@ class SipMedia:
             if digit is not None:
                 self.stats.digits.append(digit)
                 if call is not None:
-                    call.deliver(Dtmf(digit, at=now))
+                    call.dtmf(digit, now)
             return
         if packet.payload_type != self.answer.payload_type:
             return
         self.rx.update(packet, now)
-        if self.vad is not None and call is not None:
-            payload = packet.payload if self.codec == "pcmu" else ulaw_encode(
-                alaw_decode(packet.payload))
-            if self.vad.push(payload):
-                call.deliver(SpeechStarted())
+        if call is not None:
+            call.inbound_audio(packet.payload, now)
 
-    async def close(self) -> None:
-        if self._pacer_task is not None:
-            self._pacer_task.cancel()
-            try:
-                await self._pacer_task
-            except asyncio.CancelledError:
-                pass
+    def close(self) -> None:
         self.sock.close()
 
 
@@ -259,15 +211,20 @@ class SipEndpoint:
 
     def __init__(
         self,
-        state: GatewayState,
+        lifecycle: CallLifecycle,
         config: UasConfig,
         *,
+        metrics: Metrics | None = None,
         rtp_ports: range = range(20000, 21000),
         answer_delay_s: float = 0.0,
         accept_any_rtp_source: bool = False,
         rtp_timeout_s: float = 60.0,
     ) -> None:
-        self.state = state
+        self.lifecycle = lifecycle
+        self.clock = lifecycle.clock
+        self.metrics = metrics
+        # The core asks the replica's admission (a pure question) on each INVITE and OPTIONS.
+        config.admission = lifecycle.refusal
         self.core = UasCore(config)
         self.config = config
         self.rtp_ports = rtp_ports
@@ -304,7 +261,7 @@ class SipEndpoint:
 
     async def stop(self) -> None:
         for key in list(self.media):
-            self._apply(self.core.hangup(key, time.monotonic()))
+            self._apply(self.core.hangup(key, self.clock.now()))
         await asyncio.sleep(0)
         if self._timer is not None:
             self._timer.cancel()
@@ -313,33 +270,22 @@ class SipEndpoint:
         if self._sock is not None:
             self._sock.close()
 
-    @property
-    def draining(self) -> bool:
-        return self.core.draining
-
-    @draining.setter
-    def draining(self, value: bool) -> None:
-        self.core.draining = value
-
     # --- signalling ---------------------------------------------------------------------------
 
     def _on_sip(self, data: bytes, addr: tuple[str, int]) -> None:
-        # Not ready (loading, warming up) or draining: new INVITEs and OPTIONS get 503.
-        self.core.draining = self.state.draining or not self.state.ready
-        # One call budget per replica: SIP gets what Twilio calls leave of GATEWAY_MAX_CALLS.
-        self.core.config.max_calls = self.state.sip_capacity() if self.state.ready else 0
-        self._apply(self.core.receive(data, addr, time.monotonic()))
+        self._apply(self.core.receive(data, addr, self.clock.now()))
 
     async def _timers(self) -> None:
+        clock = self.clock
         while True:
             deadline = self.core.next_deadline()
-            timeout = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            timeout = 1.0 if deadline is None else max(0.0, deadline - clock.now())
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                await clock.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
                 pass
-            self._apply(self.core.tick(time.monotonic()))
+            self._apply(self.core.tick(clock.now()))
 
     def _apply(self, effects: list[Effect]) -> None:
         for effect in effects:
@@ -347,6 +293,13 @@ class SipEndpoint:
                 if self._sock is not None:
                     self._sock.sendto(effect.data, effect.addr)
             elif isinstance(effect, IncomingCall):
+                # The INVITE passed the admission question: take its seat now, so a call that
+                # is still ringing counts against the budget of every transport.
+                refused = self.lifecycle.admit(effect.key, "sip")
+                if refused is not None:
+                    self._apply(self.core.reject(effect.key, 486 if refused == "at_capacity"
+                                                 else 503, self.clock.now()))
+                    continue
                 self._spawn(self._incoming(effect))
             elif isinstance(effect, CallAnswered):
                 pass  # handled inline by _incoming, which called answer()
@@ -366,30 +319,34 @@ class SipEndpoint:
                 future = self._transfers.pop(effect.key, None)
                 if future is not None and not future.done():
                     future.set_result(effect.accepted)
+            elif isinstance(effect, Refused):
+                if self.metrics is not None:
+                    self.metrics.calls_refused.labels("sip", effect.reason).inc()
             elif isinstance(effect, Dropped):
                 self.dropped += 1
-                self.state.metrics.sip_dropped.inc()
+                if self.metrics is not None:
+                    self.metrics.sip_dropped.inc()
                 log.debug("sip: %s", effect.reason)
         self._wake.set()
 
-    def _spawn(self, coroutine: Any) -> None:
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _incoming(self, event: IncomingCall) -> None:
         if self.answer_delay_s:
-            await asyncio.sleep(self.answer_delay_s)
+            await self.clock.sleep(self.answer_delay_s)
         dialog = self.core.dialogs.get(event.key)
         if dialog is None or dialog.state != "proceeding":
-            return  # cancelled while ringing
+            return  # cancelled while ringing (its seat went with the CallEnded)
         try:
             sock, protocol, port = await self._bind_rtp()
         except OSError:
             log.error("sip: no free RTP port in %s", self.rtp_ports)
-            self._apply(self.core.reject(event.key, 503, time.monotonic()))
+            self._apply(self.core.reject(event.key, 503, self.clock.now()))
             return
-        effects = self.core.answer(event.key, self.config.local_ip, port, time.monotonic())
+        effects = self.core.answer(event.key, self.config.local_ip, port, self.clock.now())
         answered = next((e for e in effects if isinstance(e, CallAnswered)), None)
         if answered is None:
             sock.close()
@@ -398,19 +355,20 @@ class SipEndpoint:
         media = SipMedia(self, event.key, answered.answer, sock, protocol)
         self.media[event.key] = media
         call_id = f"sip-{dialog.call_id}"
-        call = self.state.open_call(call_id, media, "sip",
-                                    {"caller": event.caller, "called": event.called})
+        call = self.lifecycle.start(
+            event.key, media,
+            transport_name="sip",
+            call_id=call_id,
+            parameters={"caller": event.caller, "called": event.called},
+            inactivity_s=self.rtp_timeout_s,
+        )
         media.call = call
-        media.vad = self.state.new_speech_detector()
+        if media.on_hold:
+            call.hold(True)
         self.calls[event.key] = call
-        media.start()
         self._apply(effects)
         log.info("sip call %s from %s answered with %s", call_id, event.caller,
                  answered.answer.codec)
-        assert self.state.dialog is not None
-        # The call's tasks (and the tasks they start) log with its id.
-        with call_context(call_id):
-            self._spawn(self.state.run_dialog(call, self.state.dialog))
 
     async def _bind_rtp(self) -> tuple[asyncio.DatagramTransport, _Udp, int]:
         loop = asyncio.get_running_loop()
@@ -431,11 +389,12 @@ class SipEndpoint:
         media = self.media.pop(key, None)
         call = self.calls.pop(key, None)
         if call is not None:
-            call.deliver(Hangup(reason))
-            await call.close()
-            self.state.close_call(call, "sip")
+            await self.lifecycle.finish(call, reason)
+        else:
+            # Never answered (cancelled while ringing, no RTP port): its seat is free.
+            self.lifecycle.admission.release(key)
         if media is not None:
-            await media.close()
+            media.close()
             log.info("sip call %s ended (%s): %d RTP sent, %d received, jitter %.1f ms",
                      key[:24], reason, media.stats.sent, media.stats.received,
                      media.rx.jitter_ms)
@@ -443,20 +402,20 @@ class SipEndpoint:
     # --- commands from calls ------------------------------------------------------------------
 
     def hangup(self, key: str, reason: str = "local") -> None:
-        self._apply(self.core.hangup(key, time.monotonic(), reason))
+        self._apply(self.core.hangup(key, self.clock.now(), reason))
 
     async def transfer(self, key: str, target: str) -> None:
         """REFER the caller to ``target``; hang up once it is accepted (or refused)."""
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._transfers[key] = future
-        effects = self.core.refer(key, target, time.monotonic())
+        effects = self.core.refer(key, target, self.clock.now())
         if not effects:
             self._transfers.pop(key, None)
             self.hangup(key)
             return
         self._apply(effects)
         try:
-            accepted = await asyncio.wait_for(future, 32)
+            accepted = await self.clock.wait_for(future, TRANSFER_TIMEOUT_S)
         except TimeoutError:
             accepted = False
         if not accepted:

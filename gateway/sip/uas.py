@@ -16,7 +16,8 @@ What it does, per RFC 3261 unless noted:
 - BYE -> 200 and the call ends (15.1.2); OPTIONS -> 200 (11.2, trunk keep-alives), 503 while
   draining or not ready;
   re-INVITE (hold with a=sendonly/inactive, resume) -> 200 with a mirrored answer (RFC 3264 8);
-  unknown methods -> 501; at capacity -> 486 (or 503 with Retry-After while draining);
+  unknown methods -> 501; at capacity -> 486 (or 503 with Retry-After while draining or not
+  ready), as the injected admission question (``UasConfig.admission``) says;
   no common codec -> 488.
 - Security: a source-address allow-list (CIDR) and optional digest authentication; anything
   else gets 403 (or a 401 challenge) and no call state.
@@ -30,7 +31,7 @@ import ipaddress
 import itertools
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -135,8 +136,16 @@ class Dropped:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """An INVITE was turned away (486 at capacity, 503 draining or not ready): ``reason`` is the
+    admission's (counted by the shell)."""
+
+    reason: str
+
+
 Effect = SendTo | IncomingCall | CallAnswered | CallConfirmed | MediaChanged | CallEnded | \
-    TransferDone | Dropped
+    TransferDone | Dropped | Refused
 
 
 # --- configuration ----------------------------------------------------------------------------
@@ -155,6 +164,10 @@ class UasConfig:
     user: str = "ivr"
     #: RFC 3261's T1 (RTT estimate): 500 ms on the internet; a private trunk may use less.
     t1: float = T1
+    #: Why a new call would be refused now (the replica's admission, shared by every transport:
+    #: ``draining``/``not_ready`` -> 503, ``at_capacity`` -> 486), or None: welcome. A pure
+    #: question, asked while handling an INVITE or OPTIONS; the core stays free of I/O.
+    admission: Callable[[], str | None] | None = None
 
     def __post_init__(self) -> None:
         self.networks = [ipaddress.ip_network(cidr, strict=False) for cidr in self.allow]
@@ -243,6 +256,12 @@ class UasCore:
         self.stats = {"received": 0, "dropped": 0, "rejected_source": 0, "challenged": 0}
 
     # --- introspection ------------------------------------------------------------------------
+
+    def _refusal(self) -> str | None:
+        if self.draining:
+            return "draining"
+        admission = self.config.admission
+        return admission() if admission is not None else None
 
     @property
     def active_calls(self) -> int:
@@ -404,7 +423,7 @@ class UasCore:
                 effects.append(self._end(dialog, "bye"))
             return effects
         if method == "OPTIONS":
-            if self.draining:
+            if self._refusal() in ("draining", "not_ready"):
                 # A SIP proxy probing with OPTIONS (Kamailio's dispatcher) takes this replica
                 # out of rotation; calls already up are unaffected.
                 return [self._reply(request, source, 503, "Service Unavailable (draining)",
@@ -442,11 +461,13 @@ class UasCore:
             # Same Call-ID, a new transaction, no To tag: a merged or forged request (8.2.2.2).
             # A second dialog under this key would orphan the first call's media and state.
             return [self._reply(request, source, 482, now=now, to_tag=new_tag())]
-        if self.draining:
-            return [self._reply(request, source, 503, "Service Unavailable (draining)",
-                                now=now, headers=[("Retry-After", "30")])]
-        if self.active_calls >= self.config.max_calls:
-            return [self._reply(request, source, 486, now=now, headers=[("Retry-After", "5")])]
+        refusal = self._refusal()
+        if refusal in ("draining", "not_ready"):
+            return [self._reply(request, source, 503, f"Service Unavailable ({refusal})",
+                                now=now, headers=[("Retry-After", "30")]), Refused(refusal)]
+        if refusal == "at_capacity" or self.active_calls >= self.config.max_calls:
+            return [self._reply(request, source, 486, now=now, headers=[("Retry-After", "5")]),
+                    Refused("at_capacity")]
         body_type = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         if not request.body or body_type != "application/sdp":
             # An INVITE without an offer (RFC 3264 delayed offer) is not supported here.

@@ -1,11 +1,15 @@
-"""The TTS engine interface every implementation streams through.
+"""The TTS engine interfaces every implementation streams through.
 
 An :class:`Engine` turns a :class:`SpeechRequest` into an iterator of 24 kHz float32 chunks.
 Iteration is pull-based: no work happens between ``next()`` calls, and ``close()`` on the
 iterator (it is a generator) stops the generation *between chunks* and leaves the engine
-reusable. Engines are synchronous and not thread-safe: one engine instance serves one request at
-a time (faster-qwen3-tts holds one static KV cache per instance); the scheduler in
-:mod:`gateway.tts.service` owns the threads and decides who runs.
+reusable. Engines are synchronous and not thread-safe.
+
+A :class:`BatchEngine` (the gateway's default, :class:`gateway.tts.batched.BatchedQwenEngine`)
+is an engine that also exposes its rows, so that one loop per device
+(:mod:`gateway.tts.batch_loop`) can advance every active turn in one batched step. A plain
+:class:`Engine` serves one request at a time; the slot scheduler in :mod:`gateway.tts.service`
+runs several of them side by side (the baseline the batching benchmark compares against).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,6 +36,46 @@ class VoicePrompt:
     identity: str
     prompt: dict[str, Any] = field(compare=False, hash=False, repr=False)
     ref_text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How one request samples (defaults: the published Qwen3-TTS ``generation_config.json``).
+
+    ``temperature`` / ``top_k`` / ``top_p`` / ``repetition_penalty`` apply to the talker's
+    first-codebook token (the penalty over the row's own history of those tokens); the
+    ``predictor_*`` values to the code predictor's 15 codebooks. Temperature 0 is greedy;
+    ``top_k`` 0 and ``top_p`` 1 switch those filters off.
+    """
+
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    predictor_temperature: float = 0.9
+    predictor_top_k: int = 50
+    predictor_top_p: float = 1.0
+
+    @classmethod
+    def greedy(cls) -> Sampling:
+        """Arg-max everywhere (no randomness; the repetition penalty still applies)."""
+        return cls(temperature=0.0, predictor_temperature=0.0)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first setting out of range."""
+        for name in ("temperature", "predictor_temperature"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 100.0:
+                raise ValueError(f"sampling {name} must be in [0, 100], got {value}")
+        for name in ("top_k", "predictor_top_k"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"sampling {name} must be >= 0 (0: off)")
+        for name in ("top_p", "predictor_top_p"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"sampling {name} must be in (0, 1], got {value}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError("sampling repetition_penalty must be in (0, 10]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +99,9 @@ class SpeechRequest:
     min_frames: int | None = None
     #: A cloned voice (Base models) instead of a CustomVoice ``speaker``.
     voice_prompt: VoicePrompt | None = None
+    #: Sampling settings for this turn (None: the model's published defaults). Honoured per
+    #: row by the batched engine; the slot engine samples with the defaults only.
+    sampling: Sampling | None = None
     #: Free-form labels carried to logs and metrics (call id, turn id); not used by engines.
     tags: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -124,3 +171,73 @@ class Engine(abc.ABC):
                 f"unknown language {request.language!r}; this model has "
                 f"{', '.join(self.languages)}"
             )
+
+
+class EngineRow(Protocol):
+    """What a batch loop reads of one row (a turn being generated)."""
+
+    #: Prefill done: the row can step.
+    ready: bool
+    #: None while generating; "eos" or "cap" once it stopped.
+    finished: str | None
+    #: Codec frames generated so far.
+    frames: int
+    #: Prompt tokens prefilled so far.
+    prefilled: int
+    #: Each chunk's codes (``[n, 16]``, on the host) when the engine records them.
+    codes: list[Any]
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def prefilling(self) -> bool: ...
+
+    @property
+    def frames_to_chunk(self) -> int:
+        """Frames still to generate before the row's next chunk is due."""
+        ...
+
+
+class BatchEngine(Engine):
+    """An engine whose rows one loop advances together (see :mod:`gateway.tts.batch_loop`).
+
+    The loop calls, from its one thread: :meth:`open` for a new turn, :meth:`prefill` until
+    the row is ready, :meth:`step` for the rows that advance now, :meth:`next_chunk` for each
+    row's due audio, :meth:`close` when a turn ends (its row is reused at once) and
+    :meth:`rebuild` after a failure inside a step (every row is lost).
+    """
+
+    #: The batch cap: turns that can generate at once.
+    max_rows: int
+    #: Tokens per prefill chunk (0: whole prompts), fixed per engine.
+    prefill_chunk: int
+
+    @property
+    @abc.abstractmethod
+    def free_rows(self) -> int:
+        """Rows not in use."""
+
+    @abc.abstractmethod
+    def claim(self, owner: object) -> None:
+        """Mark the engine as driven by ``owner`` (its own :meth:`stream` then refuses)."""
+
+    @abc.abstractmethod
+    def open(self, request: SpeechRequest) -> EngineRow:
+        """Give ``request`` a row (raises when none is free or the prompt does not fit)."""
+
+    @abc.abstractmethod
+    def prefill(self, row: EngineRow) -> int:
+        """Run the next prefill chunk of ``row``; returns the prompt tokens it processed."""
+
+    @abc.abstractmethod
+    def step(self, rows: Sequence[EngineRow]) -> int:
+        """Advance ``rows`` one codec frame in one batched step; returns the batch size run."""
+
+    @abc.abstractmethod
+    def next_chunk(self, row: EngineRow) -> np.ndarray | None:
+        """The row's next audio chunk if one is due (possibly empty), else None."""
+
+    @abc.abstractmethod
+    def close(self, row: EngineRow) -> None:
+        """Free the row."""

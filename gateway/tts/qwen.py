@@ -33,8 +33,8 @@ import numpy as np
 from gateway.audio.condition import LeadingSilenceTrimmer
 from gateway.errors import EngineError, ModelLoadError
 from gateway.tts.chunking import ChunkPlanner
-from gateway.tts.codec_stream import StreamingCodecDecoder
-from gateway.tts.engine import SAMPLES_PER_FRAME, Engine, SpeechRequest, VoicePrompt
+from gateway.tts.codec_stream import StreamingCodecDecoder, WindowedCodecDecoder
+from gateway.tts.engine import Engine, Sampling, SpeechRequest, VoicePrompt
 
 log = logging.getLogger(__name__)
 # faster-qwen3-tts warns at construction that it "could not infer sample rate ... defaulting to
@@ -292,6 +292,9 @@ class QwenEngine(Engine):
                 f"cloned voice {request.voice_prompt.name!r} needs a Base model "
                 f"(e.g. Qwen/Qwen3-TTS-12Hz-0.6B-Base); {self.model_id} is {kind!r}"
             )
+        if request.sampling not in (None, Sampling()):
+            raise EngineError("the slot engine samples with the model defaults only; per-turn "
+                              "sampling needs the batched engine")
         try:
             self.validate(request)
         except ValueError as exc:
@@ -516,30 +519,13 @@ class QwenEngine(Engine):
     def _decode_windowed(
         self, codes: Generator[Any, None, None], ref_codes: Any = None
     ) -> Generator[np.ndarray, None, None]:
-        """Decode each chunk with up to 25 frames of left context (faster-qwen3-tts's way).
-
-        The 12 Hz codec decodes exactly 1920 samples per frame, so the new audio is the last
-        ``n_new * 1920`` samples of the window's output.
-        """
-        import torch
-
-        tokenizer = self._base.model.speech_tokenizer
-        # A cloned voice's reference frames are left context for the first windows.
-        frames: list[Any] = []
+        """Decode each chunk with up to 25 frames of left context (faster-qwen3-tts's way);
+        a cloned voice's reference frames are left context for the first windows."""
+        decoder = WindowedCodecDecoder(self._base.model.speech_tokenizer, CODEC_LEFT_CONTEXT)
         if ref_codes is not None:
-            frames.append(ref_codes[-CODEC_LEFT_CONTEXT:].to(self.device))
+            decoder.prime(ref_codes)
         for chunk in codes:
-            frames.append(chunk.to(self.device))
-            all_codes = torch.cat(frames, dim=0)
-            n_new = int(chunk.shape[0])
-            window = all_codes[-(n_new + CODEC_LEFT_CONTEXT) :]
-            wavs, _sr = tokenizer.decode({"audio_codes": window.unsqueeze(0)})
-            audio = np.asarray(wavs[0], dtype=np.float32).reshape(-1)
-            new = audio[-n_new * SAMPLES_PER_FRAME :]
-            # Keep only what later windows can still reach; the list would grow per frame.
-            if all_codes.shape[0] > CODEC_LEFT_CONTEXT:
-                frames = [all_codes[-CODEC_LEFT_CONTEXT:]]
-            yield np.clip(new, -1.0, 1.0)
+            yield decoder.decode(chunk)
 
 
 def _never() -> bool:

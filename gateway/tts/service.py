@@ -1,33 +1,40 @@
-"""The per-GPU scheduler: engine slots, urgency-first service, cancellation, failure isolation.
+"""The per-GPU scheduler: urgency-first service, cancellation, failure isolation.
 
-Each engine slot (its own static KV caches and CUDA graphs over shared weights) has one worker
-thread. The asyncio side never blocks on the model: it awaits chunks handed over with
-``loop.call_soon_threadsafe``.
+Two ways to run the device, chosen by the engines given:
 
-Scheduling, in the order a caller would feel it:
+- **Batched (the default).** A :class:`~gateway.tts.engine.BatchEngine` per device, driven by
+  one :class:`~gateway.tts.batch_loop.BatchLoop` thread: every active turn is a row and each
+  step advances every row by one codec frame. Turns join between steps and leave at EOS, their
+  frame cap, cancel or failure; see :mod:`gateway.tts.batch_loop` for the schedule.
+- **Slots (the benchmark's baseline).** Plain engines, one worker thread each, every slot
+  generating one turn at a time (what the gateway did before continuous batching).
 
-- **Admission.** When every slot is busy, queued turns wait in deadline order (the caller's turn
-  time plus the first-audio budget), so the turn that has waited longest relative to its budget
-  gets the next free slot. Queue depth and wait are metrics.
-- **Urgency first.** Slots on one GPU share it. A turn that already has more than
-  ``ahead_high_s`` of audio generated ahead of its playback clock pauses between chunks while
-  any other running turn is still waiting for its first audio, until its lead falls to
-  ``ahead_low_s``. Generation is pull-based, so a pause costs nothing but time the turn has
-  already banked.
-- **Cancellation.** Hang-up and barge-in set a flag the engine polls before every codec frame;
-  the slot is free within one frame plus the chunk decode in flight. The time from ``cancel()``
-  to the slot being free is recorded for every cancelled turn.
-- **Failure isolation.** An exception inside the engine (a bug, CUDA OOM) fails that turn only:
-  its stream raises :class:`~gateway.errors.EngineError` (the call can answer with an apology
-  prompt), the slot is rebuilt (fresh caches and graphs) and warmed up again, and if that fails
-  the slot is retired while the others carry on.
+The asyncio side never blocks on the model: it awaits chunks handed over with
+``loop.call_soon_threadsafe``. The hand-off is bounded for the batched loop: a row whose
+consumer has not taken its chunks sits out steps, so a consumer that simply iterates paces its
+turn (a call's audio path blocks once it is far enough ahead of the caller's playback).
+
+Scheduling, in the order a caller would feel it (both modes):
+
+- **Admission.** With every row (or slot) busy, queued turns wait in deadline order (the
+  caller's turn time plus the first-audio budget), so the turn that has waited longest relative
+  to its budget gets the next free one. Queue depth and wait are metrics.
+- **Urgency first.** A turn far ahead of its playback (``ahead_high_s``) sits out while another
+  turn waits for its first audio, until its lead falls to ``ahead_low_s``.
+- **Cancellation.** Hang-up and barge-in set a flag the engine side reads before every codec
+  frame (batched: before every step); the row or slot is free within one frame. The time from
+  ``cancel()`` to free is recorded for every cancelled turn.
+- **Failure isolation.** An exception inside the engine fails the turns it hit (their streams
+  raise :class:`~gateway.errors.EngineError`; the call answers with its apology prompt), the
+  engine is rebuilt and carries on with the other and the queued turns; if the rebuild fails
+  the engine is retired while any others carry on.
 - **Watchdog.** A step that hangs (a deadlocked kernel, a wedged driver call) raises nothing.
-  With ``step_timeout_s`` set, a watchdog thread fails the turn of a slot that has shown no
-  progress (a codec frame polled, a chunk handed over) for that long: its stream raises
-  :class:`~gateway.errors.EngineError` like any engine failure, and the slot leaves rotation.
-  A Python thread cannot be killed, so the slot stays out until its step returns by itself;
-  then it is rebuilt and serves again (or is retired if the rebuild fails). Turns queued while
-  no healthy slot is left fail at once rather than wait for one.
+  With ``step_timeout_s`` set, a watchdog thread fails the turns of an engine that has shown no
+  progress (a codec frame, a chunk handed over, a batched step) for that long: their streams
+  raise :class:`~gateway.errors.EngineError` like any engine failure, and the engine leaves
+  rotation. A Python thread cannot be killed, so it stays out until its step returns by
+  itself; then it is rebuilt and serves again (or is retired if the rebuild fails). Turns
+  queued while no healthy engine is left fail at once rather than wait for one.
 """
 
 from __future__ import annotations
@@ -38,173 +45,20 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from gateway.errors import EngineError
 from gateway.logs import call_context
 from gateway.metrics import Metrics
-from gateway.tts.engine import SAMPLE_RATE, Engine, SpeechRequest, VoicePrompt
+from gateway.tts.batch_loop import BatchLoop
+from gateway.tts.engine import BatchEngine, Engine, SpeechRequest, VoicePrompt
+from gateway.tts.stream import END_OF_STREAM, ServiceStats, SpeechStream, append_bounded
 
 log = logging.getLogger(__name__)
 
-_END = object()
-#: Per-turn stats lists keep at most twice this many entries (then the oldest half goes), so a
-#: gateway that runs for months does not grow them without bound.
-_STATS_KEEP = 4096
-
-
-def _append_bounded(entries: list[Any], value: Any) -> None:
-    entries.append(value)
-    if len(entries) > 2 * _STATS_KEEP:
-        del entries[:_STATS_KEEP]
-
-
-@dataclass
-class ServiceStats:
-    """Counters the tests, the benchmark and ``/metrics`` read."""
-
-    started: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    pauses: int = 0
-    slots_retired: int = 0
-    #: Steps the watchdog gave up on (the turn failed, the slot left rotation until it returned).
-    stuck_steps: int = 0
-    #: Seconds from ``cancel()`` to the slot being free, one entry per cancelled generation
-    #: (the most recent few thousand).
-    cancel_to_free_s: list[float] = field(default_factory=list)
-    #: Order in which turns got a slot (their ``tags["turn"]`` or text), for ordering tests.
-    start_order: list[str] = field(default_factory=list)
-
-
-class SpeechStream:
-    """One turn's generation: an async iterator over its 24 kHz float32 chunks.
-
-    ``cancel()`` (or ``aclose()``) stops the generation; iteration then ends. Errors raised by
-    the engine surface here as :class:`~gateway.errors.EngineError`.
-    """
-
-    def __init__(
-        self,
-        request: SpeechRequest,
-        loop: asyncio.AbstractEventLoop,
-        turn_started_at: float,
-        deadline: float,
-        clock: Callable[[], float],
-    ) -> None:
-        self.request = request
-        self.turn_started_at = turn_started_at
-        self.deadline = deadline
-        self.submitted_at = clock()
-        self.started_at: float | None = None
-        self.first_chunk_at: float | None = None
-        self.finished_at: float | None = None
-        #: Seconds of audio generated so far.
-        self.audio_s = 0.0
-        #: Underruns seen by a listener who starts playing at the first chunk: a chunk arriving
-        #: after the previous audio would have finished playing.
-        self.gaps = 0
-        self.gap_s = 0.0
-        self.chunk_times: list[float] = []
-        self._playback_origin = 0.0
-        self._loop = loop
-        self._queue: asyncio.Queue[object] = asyncio.Queue()
-        self._cancel = threading.Event()
-        self._cancelled_at: float | None = None
-        # Set when the service gave up on this turn (watchdog, no healthy slot): its consumer
-        # has been handed an EngineError and the worker must stop as soon as it can.
-        self._abandoned = False
-        self.finished = asyncio.Event()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    @property
-    def abandoned(self) -> bool:
-        """True once the service failed this turn itself (a stuck step, no healthy slot)."""
-        return self._abandoned
-
-    @property
-    def stopping(self) -> bool:
-        """The worker must not produce more for this turn (cancelled or abandoned)."""
-        return self._abandoned or self._cancel.is_set()
-
-    @property
-    def waiting_for_first_audio(self) -> bool:
-        return self.first_chunk_at is None
-
-    def audio_ahead(self, now: float) -> float:
-        """Seconds of generated audio not yet played by a listener who started at chunk one."""
-        if self.first_chunk_at is None:
-            return 0.0
-        return self.audio_s - (now - self._playback_origin)
-
-    def cancel(self) -> None:
-        """Stop generating (idempotent, never blocks; call from the event loop)."""
-        if not self._cancel.is_set():
-            self._cancelled_at = time.monotonic()
-            self._cancel.set()
-            # Wake a consumer that is waiting for the next chunk.
-            self._queue.put_nowait(_END)
-
-    def __aiter__(self) -> AsyncIterator[np.ndarray]:
-        return self
-
-    async def __anext__(self) -> np.ndarray:
-        if self._cancel.is_set() and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _END or self._cancel.is_set():
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            raise EngineError(f"speech generation failed: {item}") from item
-        assert isinstance(item, np.ndarray)
-        return item
-
-    async def aclose(self) -> None:
-        self.cancel()
-
-    # --- called from the worker thread --------------------------------------------------------
-
-    def _record_chunk(self, samples: int, now: float) -> None:
-        if self.first_chunk_at is None:
-            self.first_chunk_at = now
-            self._playback_origin = now
-        else:
-            ran_out_at = self._playback_origin + self.audio_s
-            if now > ran_out_at:
-                # The listener heard silence from ran_out_at to now; playback resumes now.
-                self.gaps += 1
-                self.gap_s += now - ran_out_at
-                self._playback_origin += now - ran_out_at
-        self.audio_s += samples / SAMPLE_RATE
-        self.chunk_times.append(now)
-
-    def _put(self, item: object) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            self._cancel.set()
-
-    def _abandon(self, error: EngineError) -> None:
-        """Fail the turn from outside its worker: the consumer gets ``error``."""
-        if self._abandoned:
-            return
-        self._abandoned = True
-        if not self._cancel.is_set():
-            self._put(error)
-
-    def _finish(self) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self.finished.set)
-        except RuntimeError:
-            pass
+# SpeechStream and ServiceStats live in gateway.tts.stream; callers import them from here.
+__all__ = ["ServiceStats", "SpeechService", "SpeechStream"]
 
 
 @dataclass(eq=False)
@@ -223,11 +77,13 @@ class _Slot:
 
 
 class SpeechService:
-    """Owns one GPU's engine slots, their worker threads and the queue in front of them.
+    """Owns one GPU's engines, the threads that drive them and the queue in front of them.
 
+    ``engines`` are either :class:`~gateway.tts.engine.BatchEngine` s (one batched loop each,
+    one per device: the default) or plain engine slots (one worker thread each: the baseline).
     ``step_timeout_s`` arms the watchdog (None: off): the longest an engine step may run
-    without progress before its turn fails and its slot leaves rotation. ``warmup_voices`` are
-    what a rebuilt slot warms up with before it takes turns again (the voices calls use).
+    without progress before its turns fail and its engine leaves rotation. ``warmup_voices``
+    are what a rebuilt slot warms up with before it takes turns again (the voices calls use).
     """
 
     def __init__(
@@ -241,6 +97,7 @@ class SpeechService:
         step_timeout_s: float | None = None,
         warmup_voices: Sequence[tuple[str, str] | VoicePrompt] = (),
         clock: Callable[[], float] = time.monotonic,
+        max_backlog: int = 2,
     ) -> None:
         if not engines:
             raise ValueError("at least one engine slot is required")
@@ -248,6 +105,11 @@ class SpeechService:
             raise ValueError("need 0 <= ahead_low_s <= ahead_high_s")
         if step_timeout_s is not None and step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be positive (None turns the watchdog off)")
+        batched = [isinstance(engine, BatchEngine) for engine in engines]
+        if any(batched) and not all(batched):
+            raise ValueError("engines must be all batch engines or all slots, not a mix")
+        if max_backlog < 1:
+            raise ValueError("max_backlog must be >= 1")
         self.engines = list(engines)
         self.metrics = metrics
         self.first_audio_budget_s = first_audio_budget_s
@@ -264,7 +126,12 @@ class SpeechService:
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._healthy = len(self.engines)
-        self._slots = [_Slot(index, engine) for index, engine in enumerate(self.engines)]
+        self._loops = [BatchLoop(self, engine, index, max_backlog=max_backlog)
+                       for index, engine in enumerate(self.engines)
+                       if isinstance(engine, BatchEngine)]
+        self._slots = [] if self._loops else [
+            _Slot(index, engine) for index, engine in enumerate(self.engines)
+        ]
         self._watchdog: threading.Thread | None = None
         self._watchdog_stop = threading.Event()
 
@@ -272,11 +139,24 @@ class SpeechService:
 
     @property
     def engine(self) -> Engine:
-        """The first slot's engine (for validation and metadata)."""
+        """The first engine (for validation and metadata)."""
         return self.engines[0]
 
     @property
+    def batched(self) -> bool:
+        """True when batched loops (not slots) serve the turns."""
+        return bool(self._loops)
+
+    @property
+    def capacity(self) -> int:
+        """Turns that can generate at once: rows over every batch engine, or slots."""
+        if self._loops:
+            return sum(loop.capacity for loop in self._loops)
+        return len(self._slots)
+
+    @property
     def busy_slots(self) -> int:
+        """Turns generating now (batch rows or slots in use)."""
         return len(self._running)
 
     @property
@@ -285,13 +165,16 @@ class SpeechService:
 
     @property
     def healthy_slots(self) -> int:
-        """Slots in rotation: not retired, and not stuck in a step the watchdog gave up on."""
+        """Engines in rotation: not retired, and not stuck in a step the watchdog gave up on."""
         return self._healthy
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start one worker thread per engine slot (and the watchdog, when armed)."""
+        """Start one loop per batch engine, or one worker thread per slot (and the watchdog,
+        when armed)."""
+        for loop in self._loops:
+            loop.start()
         for slot in self._slots:
             thread = threading.Thread(
                 target=self._worker, args=(slot,), name=f"tts-slot-{slot.index}", daemon=True
@@ -316,6 +199,8 @@ class SpeechService:
             self._watchdog.join(timeout)
             self._watchdog = None
         # A worker stuck in a step does not come back for join(); it is a daemon thread.
+        for loop in self._loops:
+            loop.join(timeout)
         for thread in self._threads:
             thread.join(timeout)
         self._threads.clear()
@@ -323,7 +208,7 @@ class SpeechService:
     # --- the asyncio side ---------------------------------------------------------------------
 
     def stream(self, request: SpeechRequest, turn_started_at: float | None = None) -> SpeechStream:
-        """Queue ``request`` for a slot; iterate the returned stream for its chunks.
+        """Queue ``request`` for a row or slot; iterate the returned stream for its chunks.
 
         ``turn_started_at`` (monotonic) is when the caller's turn ended; the deadline that
         orders the queue is that plus the first-audio budget.
@@ -338,14 +223,122 @@ class SpeechService:
             request, asyncio.get_running_loop(), turn, turn + self.first_audio_budget_s, self.clock
         )
         with self._cond:
-            # Checked under the lock: a slot the watchdog takes out between the check and the
-            # push would otherwise leave this turn queued with nobody to serve it.
+            # Checked under the lock: an engine the watchdog takes out between the check and
+            # the push would otherwise leave this turn queued with nobody to serve it.
             if self._healthy <= 0:
                 raise EngineError("no healthy TTS slot left on this gateway")
             heapq.heappush(self._heap, (stream.deadline, next(self._seq), stream))
-            self._cond.notify()
+            self._cond.notify_all() if self._loops else self._cond.notify()
         self._gauges()
         return stream
+
+    # --- called by the batched loops (hold no lock unless stated) --------------------------------
+
+    def _pop_queued(self) -> SpeechStream | None:
+        """The most urgent queued turn (hold the lock); cancelled ones are dropped."""
+        while self._heap:
+            _, _, stream = heapq.heappop(self._heap)
+            if stream.stopping:
+                stream._finish()
+                continue
+            return stream
+        return None
+
+    def _started(self, stream: SpeechStream) -> None:
+        """A turn got a row (hold the lock)."""
+        self._running.add(stream)
+        self.stats.started += 1
+        append_bounded(self.stats.start_order,
+                        stream.request.tags.get("turn", stream.request.text))
+        stream.started_at = self.clock()
+        if self.metrics is not None:
+            self.metrics.tts_queue_wait.observe(stream.started_at - stream.submitted_at)
+        self._gauges()
+
+    def _completed(self, stream: SpeechStream) -> None:
+        with self._cond:
+            self.stats.completed += 1
+            self._end(stream)
+        stream._put(END_OF_STREAM)
+        stream._finish()
+        self._gauges()
+
+    def _stopped(self, stream: SpeechStream, *, cancelled: bool) -> None:
+        """A cancelled or abandoned turn left its row (hold the lock)."""
+        if cancelled:
+            self.stats.cancelled += 1
+            if stream._cancelled_at is not None:
+                freed = time.monotonic() - stream._cancelled_at
+                append_bounded(self.stats.cancel_to_free_s, freed)
+                if self.metrics is not None:
+                    self.metrics.tts_cancel_to_free.observe(freed)
+        self._end(stream)
+        stream._finish()
+        self._gauges()
+
+    def _failed(self, stream: SpeechStream, exc: BaseException) -> None:
+        with self._cond:
+            listening = not stream.stopping
+            if listening:
+                self.stats.failed += 1
+            self._end(stream)
+        if listening:
+            stream._put(exc)
+            if self.metrics is not None:
+                self.metrics.tts_failures.inc()
+        stream._finish()
+        self._gauges()
+
+    def _end(self, stream: SpeechStream) -> None:
+        self._running.discard(stream)
+        stream.finished_at = self.clock()
+
+    def _record_step(self, rows: int, seconds: float, interval: float | None) -> None:
+        stats = self.stats
+        stats.steps += 1
+        append_bounded(stats.step_rows, rows)
+        append_bounded(stats.step_s, seconds)
+        if interval is not None:
+            append_bounded(stats.step_interval_s, interval)
+        if self.metrics is not None:
+            self.metrics.tts_batch_size.observe(rows)
+            self.metrics.tts_step_seconds.observe(seconds)
+
+    def _record_prefill(self, seconds: float) -> None:
+        append_bounded(self.stats.prefill_s, seconds)
+        if self.metrics is not None:
+            self.metrics.tts_prefill_seconds.observe(seconds)
+
+    def _rows_waiting(self, *, backpressure: int, urgency: int, prefill: int) -> None:
+        if self.metrics is not None:
+            waiting = self.metrics.tts_rows_waiting
+            waiting.labels("backpressure").set(backpressure)
+            waiting.labels("urgency").set(urgency)
+            waiting.labels("prefill").set(prefill)
+
+    def _retire(self, loop: BatchLoop) -> None:
+        """A batch engine that could not be rebuilt leaves service for good."""
+        with self._cond:
+            loop.retired = True
+            self.stats.slots_retired += 1
+            if not loop.stuck:
+                self._healthy -= 1
+            loop.stuck = False
+            orphans = self._orphans()
+            self._cond.notify_all()
+        self._fail_orphans(orphans)
+        self._gauges()
+
+    def _loop_back(self, loop: BatchLoop) -> None:
+        """A loop whose stuck step returned is rebuilt and back in rotation."""
+        with self._cond:
+            if loop.stuck:
+                loop.stuck = False
+                self._healthy += 1
+            self._cond.notify_all()
+        log.warning("tts batch %d: its stuck step returned; rebuilt and back in service",
+                    loop.index)
+        self._gauges()
 
     # --- the worker threads -------------------------------------------------------------------
 
@@ -392,7 +385,7 @@ class SpeechService:
         engine = slot.engine
         stats = self.stats
         stats.started += 1
-        _append_bounded(stats.start_order, stream.request.tags.get("turn", stream.request.text))
+        append_bounded(stats.start_order, stream.request.tags.get("turn", stream.request.text))
         stream.started_at = self.clock()
         if self.metrics is not None:
             self.metrics.tts_queue_wait.observe(stream.started_at - stream.submitted_at)
@@ -439,12 +432,12 @@ class SpeechService:
             stats.cancelled += 1
             if stream._cancelled_at is not None:
                 freed = time.monotonic() - stream._cancelled_at
-                _append_bounded(stats.cancel_to_free_s, freed)
+                append_bounded(stats.cancel_to_free_s, freed)
                 if self.metrics is not None:
                     self.metrics.tts_cancel_to_free.observe(freed)
         else:
             stats.completed += 1
-            stream._put(_END)
+            stream._put(END_OF_STREAM)
         return True
 
     def _poll(self, slot: _Slot, stream: SpeechStream) -> bool:
@@ -526,6 +519,41 @@ class SpeechService:
                 beat = slot.beat_at
                 if beat is not None and not slot.stuck and now - beat > timeout:
                     self._trip(slot, now - beat)
+            for loop in self._loops:
+                beat = loop.beat_at
+                if beat is not None and not loop.stuck and now - beat > timeout:
+                    self._trip_loop(loop, now - beat)
+
+    def _trip_loop(self, loop: BatchLoop, stalled_s: float) -> None:
+        """A batched step hung: every turn of that loop fails; the loop leaves rotation."""
+        with self._cond:
+            if loop.stuck or loop.retired or loop.beat_at is None:
+                return
+            loop.stuck = True
+            self._healthy -= 1
+            self.stats.stuck_steps += 1
+            error = EngineError(
+                f"TTS batch {loop.index} made no progress for {1000 * stalled_s:.0f} ms "
+                f"(limit {1000 * (self.step_timeout_s or 0):.0f} ms)"
+            )
+            failed = 0
+            for turn in loop.turns:
+                if not turn.stream.stopping:
+                    failed += 1
+                turn.stream._abandon(error)
+                self._running.discard(turn.stream)
+            self.stats.failed += failed
+            orphans = self._orphans()
+            self._cond.notify_all()
+        log.error("tts batch %d: no progress for %.0f ms; %d turn(s) failed, engine out of "
+                  "service until the step returns (%d healthy left)", loop.index,
+                  1000 * stalled_s, failed, self._healthy)
+        if self.metrics is not None:
+            self.metrics.tts_stuck_steps.inc()
+            if failed:
+                self.metrics.tts_failures.inc(failed)
+        self._fail_orphans(orphans)
+        self._gauges()
 
     def _trip(self, slot: _Slot, stalled_s: float) -> None:
         with self._cond:
@@ -557,7 +585,7 @@ class SpeechService:
         self._gauges()
 
     def _orphans(self) -> list[SpeechStream]:
-        """With no healthy slot left, take every queued turn off the queue (hold the lock)."""
+        """With no healthy engine left, take every queued turn off the queue (hold the lock)."""
         if self._healthy > 0 or not self._heap:
             return []
         orphans = [stream for _, _, stream in self._heap]

@@ -1,10 +1,13 @@
 """Twilio HTTP and WebSocket entry points.
 
-- ``POST /twilio/voice``: the number's voice webhook. Returns ``<Connect><Stream>`` TwiML that
-  opens the bidirectional Media Stream to ``wss://<public host>/twilio/media``.
+- ``POST /twilio/voice``: the number's voice webhook. Reserves a seat in the replica's call
+  budget and returns ``<Connect><Stream>`` TwiML that opens the bidirectional Media Stream to
+  ``wss://<public host>/twilio/media``; at capacity, draining or warming up, a short apology and
+  ``<Hangup/>`` instead.
 - ``POST /twilio/after-stream``: the ``<Connect action>``; Twilio requests it once the stream
-  ends. Returns what the call does next (hang up, for now).
-- ``WS /twilio/media``: the Media Stream itself.
+  ends. Returns what the call does next: ``<Dial>`` for a transfer decided during the stream,
+  else ``<Hangup/>``.
+- ``WS /twilio/media``: the Media Stream itself (:class:`~gateway.twilio.session.TwilioSession`).
 
 Every entry validates X-Twilio-Signature; a bad or missing one gets 403 and nothing else.
 """
@@ -12,17 +15,16 @@ Every entry validates X-Twilio-Signature; a bad or missing one gets 403 and noth
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
 from twilio.twiml.voice_response import Connect, Dial, VoiceResponse
 
-from gateway.call import Dialog, TransferTo
-from gateway.twilio.session import TwilioSession
-
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
+from gateway.call.events import TransferTo
+from gateway.call.lifecycle import CallLifecycle
+from gateway.metrics import Metrics
+from gateway.twilio.session import Outcomes, TwilioConfig, TwilioSession
+from gateway.twilio.signature import SignatureChecker
 
 log = logging.getLogger(__name__)
 
@@ -39,28 +41,37 @@ def _forbidden() -> Response:
                     media_type="text/plain")
 
 
-def build_router(state: GatewayState, dialog: Dialog) -> APIRouter:
-    """Routes bound to one gateway's state."""
+def build_router(
+    lifecycle: CallLifecycle,
+    checker: SignatureChecker,
+    outcomes: Outcomes,
+    config: TwilioConfig,
+    metrics: Metrics,
+) -> APIRouter:
+    """The Twilio routes, given the collaborators they use and nothing else."""
     router = APIRouter(prefix="/twilio")
-    checker = state.signatures
 
     @router.post("/voice")
     async def voice(request: Request) -> Response:
         form = await request.form()
         if not checker.check(request, form, websocket=False):
-            state.metrics.signature_rejections.labels("voice").inc()
+            metrics.signature_rejections.labels("voice").inc()
             log.warning("POST /twilio/voice refused: bad X-Twilio-Signature from %s",
                         request.client.host if request.client else "?")
             return _forbidden()
         call_sid = form.get("CallSid")
-        refused = state.admit_twilio(call_sid if isinstance(call_sid, str) else None)
+        if isinstance(call_sid, str) and call_sid:
+            refused = lifecycle.reserve(call_sid, "twilio", config.reservation_s)
+        else:
+            refused = lifecycle.refusal()
+            if refused is not None:
+                metrics.calls_refused.labels("twilio", refused).inc()
         if refused is not None:
             # Full, draining or warming up: a short apology beats ringing into silence; Twilio
             # then hangs up. The caller's next try lands on another replica.
-            state.metrics.calls_refused.labels("twilio", refused).inc()
             log.warning("call %s refused: %s", call_sid, refused.replace("_", " "))
             busy = VoiceResponse()
-            busy.say(state.settings.busy_message)
+            busy.say(config.busy_message)
             busy.hangup()
             return _twiml(busy)
         base = checker.base_url(request)
@@ -79,10 +90,10 @@ def build_router(state: GatewayState, dialog: Dialog) -> APIRouter:
     async def after_stream(request: Request) -> Response:
         form = await request.form()
         if not checker.check(request, form, websocket=False):
-            state.metrics.signature_rejections.labels("after-stream").inc()
+            metrics.signature_rejections.labels("after-stream").inc()
             return _forbidden()
         call_sid = form.get("CallSid")
-        outcome = state.outcomes.pop(call_sid, None) if isinstance(call_sid, str) else None
+        outcome = outcomes.take(call_sid) if isinstance(call_sid, str) else None
         response = VoiceResponse()
         if isinstance(outcome, TransferTo):
             if outcome.target.startswith(("sip:", "sips:")):
@@ -99,18 +110,18 @@ def build_router(state: GatewayState, dialog: Dialog) -> APIRouter:
     @router.websocket("/media")
     async def media(websocket: WebSocket) -> None:
         if not checker.check(websocket, {}, websocket=True):
-            state.metrics.signature_rejections.labels("media").inc()
+            metrics.signature_rejections.labels("media").inc()
             log.warning("WS /twilio/media refused: bad X-Twilio-Signature from %s",
                         websocket.client.host if websocket.client else "?")
             # Closing before accept makes the server answer the upgrade with HTTP 403.
             await websocket.close(code=1008)
             return
-        if not state.ready:
+        if not lifecycle.readiness.ready:
             # Not warmed up yet: refuse rather than keep a caller in silence.
-            state.metrics.calls_refused.labels("twilio", "not_ready").inc()
+            metrics.calls_refused.labels("twilio", "not_ready").inc()
             await websocket.close(code=1013)
             return
         await websocket.accept()
-        await TwilioSession(websocket, state, dialog).run()
+        await TwilioSession(websocket, lifecycle, config, outcomes, metrics).run()
 
     return router

@@ -1,0 +1,86 @@
+"""What happens to a call, whatever carries it: inbound events and how a call ends.
+
+Transport adapters turn their wire events into these (a Twilio ``dtmf`` message and an RFC 4733
+telephone-event both become :class:`Dtmf`); dialogs read them from :attr:`Call.events
+<gateway.call.session.Call.events>`. Every event carries ``at``, read from the gateway's
+injected clock when the event arrived: first-audio latency is measured from it, so it must be on
+the same clock as the frames going out (never a wall-clock default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "CallEvent",
+    "CallOutcome",
+    "Codec",
+    "Dtmf",
+    "HangUp",
+    "Hangup",
+    "PlaybackDone",
+    "SpeechFailed",
+    "SpeechStarted",
+    "TransferTo",
+]
+
+Codec = Literal["pcmu", "pcma"]
+
+
+@dataclass(frozen=True, slots=True)
+class Dtmf:
+    """A keypress (Twilio ``dtmf`` event or RFC 4733 telephone-event)."""
+
+    digit: str
+    at: float = field(kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class PlaybackDone:
+    """Everything before mark ``name`` has played to the caller."""
+
+    name: str
+    at: float = field(kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechStarted:
+    """Voice activity detection heard the caller start speaking (speech barge-in)."""
+
+    at: float = field(kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechFailed:
+    """An utterance could not be generated (engine error); the dialog decides what to say."""
+
+    utterance_id: str
+    reason: str
+    at: float = field(kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Hangup:
+    """The caller (or the network) ended the call."""
+
+    reason: str = "hangup"
+    at: float = field(kw_only=True)
+
+
+CallEvent = Dtmf | PlaybackDone | SpeechStarted | SpeechFailed | Hangup
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTo:
+    """Hand the caller to ``target``: an E.164 number or a SIP URI."""
+
+    target: str
+
+
+@dataclass(frozen=True, slots=True)
+class HangUp:
+    """End the call."""
+
+
+CallOutcome = TransferTo | HangUp

@@ -1,0 +1,356 @@
+"""Outbound audio of one call: a bounded buffer of 20 ms frames released on a monotonic schedule.
+
+Pacing and backpressure are written once, here, for every transport. What differs between
+transports is a :class:`PlayoutPolicy` the adapter declares:
+
+- **RTP (SIP)**: nothing is buffered at the far end beyond its jitter buffer, so frames are
+  released one per 20 ms beat (``lead_s = 0``) and silence fills the beats with nothing to say
+  (continuous RTP keeps NAT bindings and the far end's media timers alive; a gap would also be
+  heard as a click). A mark counts as played once the frame before it has been sent.
+- **Twilio Media Streams**: Twilio buffers whatever it is sent and plays it in real time, so
+  frames go out in batches up to ``lead_s`` ahead of the caller's playback (not a whole 20 s
+  prompt: a caller who barges in after a second would have cost the rest, and a few hundred
+  calls bursting whole prompts would starve everything else). Twilio echoes each mark once the
+  audio before it has played; an echo moves the playback estimate forward.
+
+Frame ``k`` of a run may be released ``lead_s`` before it is due at ``origin + k * frame_s``:
+deadlines are computed by multiplication from one anchor, so neither sleep overshoot nor float
+summation error accumulates (STYLE.md rule 5; the same rule as :class:`gateway.audio.pacer.Pacer`).
+A stream with keep-alive silence that falls more than ``max_lag_frames`` behind (a stalled event
+loop) re-anchors instead of bursting audio a jitter buffer would drop; one without keep-alive
+re-anchors whenever the far end has played everything it was sent.
+
+Backpressure: :meth:`Playout.push` waits while more than ``buffer_frames`` frames are buffered,
+so an utterance is pulled from the speech service no faster than it can be played.
+
+Barge-in (:meth:`Playout.interrupt`, STYLE.md rule 7): buffered audio is dropped and the far end
+told to clear. Where the gateway owns what plays next (``fade_on_interrupt``, lead 0), the next
+frame is first sent faded out (:func:`~gateway.audio.condition.fade_out_frame`) so the cut is
+not a click.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.audio.condition import fade_out_frame
+from gateway.call.events import Codec
+from gateway.clock import Clock
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FrameSink", "Playout", "PlayoutPolicy", "Speaker"]
+
+FRAME_S = 0.02
+#: Slack when comparing a clock reading with a deadline computed from it (float rounding).
+_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class PlayoutPolicy:
+    """How a transport's far end plays audio (declared by each transport adapter)."""
+
+    #: Frames may be released this long before the caller would hear them.
+    lead_s: float = 0.0
+    #: Most frames per :meth:`FrameSink.send_frames` call (one message or packet).
+    max_frames_per_send: int = 1
+    #: Wait until this many frames may go before sending (fewer, larger messages); a far end
+    #: that has played everything gets what there is at once.
+    min_frames_per_send: int = 1
+    #: Send codec silence on beats with nothing to play (RTP); otherwise send nothing.
+    keepalive: bool = False
+    #: A keep-alive stream this many frames behind re-anchors (RTP jitter buffers hold 40-100 ms).
+    max_lag_frames: int = 5
+    #: The far end reports marks (Twilio echoes them); otherwise a mark counts as played once the
+    #: frame before it has been sent.
+    far_end_marks: bool = False
+    #: Fade the next frame out on barge-in. Only where the gateway owns what plays next
+    #: (``lead_s == 0``): a far end that buffers audio has its own playback position.
+    fade_on_interrupt: bool = False
+    #: Frames buffered here (beyond what the far end holds) before :meth:`Playout.push` waits.
+    buffer_frames: int = 100
+
+    def __post_init__(self) -> None:
+        if self.fade_on_interrupt and self.lead_s > 0:
+            raise ValueError("fade_on_interrupt needs lead_s == 0: the far end plays its buffer")
+        if not 1 <= self.min_frames_per_send <= self.max_frames_per_send:
+            raise ValueError("need 1 <= min_frames_per_send <= max_frames_per_send")
+
+
+class FrameSink(Protocol):
+    """The part of a transport adapter the playout drives."""
+
+    codec: Codec
+
+    async def send_frames(self, frames: list[bytes]) -> None:
+        """Send whole 20 ms G.711 frames, in order (one message or packet)."""
+
+    async def send_mark(self, name: str) -> None:
+        """Ask the far end to report ``name`` once what was sent before it has played."""
+
+    async def clear(self) -> None:
+        """The far end drops what it has buffered (Twilio ``clear``; RTP: a new talkspurt)."""
+
+
+class Speaker(Protocol):
+    """Whose frames these are: the playout reports their release (an utterance)."""
+
+    def frames_released(self, count: int, at: float) -> None: ...
+
+
+class _Start:
+    """Frames after this one belong to ``speaker``."""
+
+    __slots__ = ("speaker",)
+
+    def __init__(self, speaker: Speaker) -> None:
+        self.speaker = speaker
+
+
+class _Mark:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _Clear:
+    """Tell the far end to clear once the frames before this have gone (after a fade)."""
+
+    __slots__ = ()
+
+
+_Entry = bytes | _Start | _Mark | _Clear
+
+
+class Playout:
+    """One call's outbound frames: buffer, pace, release, mark, interrupt."""
+
+    def __init__(
+        self,
+        sink: FrameSink,
+        clock: Clock,
+        policy: PlayoutPolicy,
+        *,
+        silence: bytes,
+        on_played: Callable[[str], None],
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._sink = sink
+        self._clock = clock
+        self.policy = policy
+        self._silence = silence
+        self._on_played = on_played
+        self._on_failure = on_failure
+        self._lead_frames = policy.lead_s / FRAME_S
+        self._buffer: collections.deque[_Entry] = collections.deque()
+        #: Frames in the buffer (control entries not counted).
+        self.buffered = 0
+        self._speaker: Speaker | None = None
+        self._origin = 0.0
+        self._released = 0
+        self._anchored = False
+        # Twilio: where each outstanding mark sits in the current run (frames released before it).
+        self._mark_at: dict[str, int] = {}
+        self._wake = asyncio.Event()
+        self._space = asyncio.Event()
+        self._space.set()
+        self._task: asyncio.Task[None] | None = None
+        self.paused = False
+        #: Frames released since the call began (audio, fades and keep-alive silence).
+        self.frames_released = 0
+        #: Barge-in fades sent.
+        self.fades = 0
+
+    # --- producer side ------------------------------------------------------------------------
+
+    def begin(self, speaker: Speaker) -> None:
+        """Frames pushed from now on belong to ``speaker`` (it hears when they are released)."""
+        self._buffer.append(_Start(speaker))
+        self._wake.set()
+
+    async def push(self, frames: list[bytes]) -> None:
+        """Queue frames; waits while the buffer is full (backpressure on the producer)."""
+        if not frames:
+            return
+        self._buffer.extend(frames)
+        self.buffered += len(frames)
+        self._wake.set()
+        while self.buffered > self.policy.buffer_frames:
+            self._space.clear()
+            await self._space.wait()
+
+    def mark(self, name: str) -> None:
+        """Report ``name`` as played once every frame queued before it has played."""
+        self._buffer.append(_Mark(name))
+        self._wake.set()
+
+    async def interrupt(self) -> None:
+        """Barge-in: drop what is buffered, fade out where we own the stream, clear the far end.
+
+        Marks still in the buffer are dropped with their audio: their utterances were not heard.
+        """
+        fade: bytes | None = None
+        if self.policy.fade_on_interrupt:
+            fade = next((e for e in self._buffer if isinstance(e, bytes)), None)
+        self._buffer.clear()
+        self.buffered = 0
+        self._speaker = None
+        self._space.set()
+        self._mark_at.clear()
+        if fade is not None:
+            self._buffer.append(fade_out_frame(fade, self._sink.codec))
+            self._buffer.append(_Clear())
+            self.fades += 1
+            self._wake.set()
+            return
+        if not self.policy.keepalive:
+            self._anchored = False  # the far end's buffer is empty: the next frame plays now
+            self._wake.set()
+        await self._sink.clear()
+
+    def far_end_played(self, name: str) -> None:
+        """The far end echoed mark ``name``: everything sent before it has been played."""
+        position = self._mark_at.pop(name, None)
+        if position is None or not self._anchored:
+            return
+        # Only ever move the estimate forward: a mark says playback is at least this far along
+        # (it may have arrived late), so the lead can shrink on it but never grow.
+        self._origin = min(self._origin, self._clock.now() - position * FRAME_S)
+
+    # --- state --------------------------------------------------------------------------------
+
+    def unplayed_s(self) -> float:
+        """Seconds released to the far end and not yet played there, as far as we can tell."""
+        if not self._anchored:
+            return 0.0
+        return max(0.0, self._released * FRAME_S - (self._clock.now() - self._origin))
+
+    @property
+    def idle(self) -> bool:
+        """Nothing buffered here."""
+        return not self._buffer
+
+    # --- the release loop ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="playout")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("playout failed")
+            if self._on_failure is not None:
+                self._on_failure(exc)
+
+    async def _loop(self) -> None:
+        policy = self.policy
+        clock = self._clock
+        while True:
+            if not self._buffer and not policy.keepalive:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            now = clock.now()
+            self._anchor(now)
+            # Handle control entries at the head at once: they take no time on the wire.
+            head = self._buffer[0] if self._buffer else None
+            if head is not None and not isinstance(head, bytes):
+                self._buffer.popleft()
+                await self._control(head)
+                continue
+            played = (now - self._origin) / FRAME_S
+            room = math.floor(played + self._lead_frames + _EPS) + 1 - self._released
+            # Batch while the far end has audio to play (fewer messages), but never hold back a
+            # short tail: what is buffered now is all there is to send.
+            want = 1
+            if self._released > played + _EPS:
+                want = max(1, min(policy.min_frames_per_send, self.buffered))
+            if room < want:
+                due = self._origin + (self._released + want - 1 - self._lead_frames) * FRAME_S
+                if policy.keepalive:
+                    await clock.sleep(due - now)  # the next beat; nothing moves it earlier
+                else:
+                    # A barge-in empties the far end's buffer: the next prompt must not wait
+                    # for room that the cleared audio was taking.
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await clock.wait_for(self._wake.wait(), due - now)
+                continue
+            frames = self._take(min(room, policy.max_frames_per_send))
+            speaker = self._speaker
+            if not frames:
+                if not policy.keepalive:
+                    continue
+                frames = [self._silence]
+                speaker = None  # keep-alive silence is nobody's audio
+            if not self.paused:
+                await self._sink.send_frames(frames)
+            self._released += len(frames)
+            self.frames_released += len(frames)
+            if speaker is not None:
+                # Stamped once the transport has taken the frames: what the caller waits for.
+                speaker.frames_released(len(frames), clock.now())
+
+    def _anchor(self, now: float) -> None:
+        policy = self.policy
+        if not self._anchored:
+            self._origin, self._released, self._anchored = now, 0, True
+            return
+        if policy.keepalive:
+            lag = now - (self._origin + self._released * FRAME_S)
+            if lag > policy.max_lag_frames * FRAME_S:
+                self._origin, self._released = now, 0
+        elif self._released * FRAME_S <= now - self._origin:
+            # The far end has played everything: playback restarts with the next frame.
+            self._origin, self._released = now, 0
+            self._mark_at.clear()  # their positions were in the old run, all played by now
+
+    def _take(self, limit: int) -> list[bytes]:
+        buffer = self._buffer
+        frames: list[bytes] = []
+        while buffer and len(frames) < limit:
+            entry = buffer[0]
+            if not isinstance(entry, bytes):
+                break
+            frames.append(entry)
+            buffer.popleft()
+        if frames:
+            # A fade frame after interrupt() was never counted in ``buffered``.
+            self.buffered = max(0, self.buffered - len(frames))
+            if self.buffered <= self.policy.buffer_frames:
+                self._space.set()
+        return frames
+
+    async def _control(self, entry: _Start | _Mark | _Clear) -> None:
+        if isinstance(entry, _Start):
+            self._speaker = entry.speaker
+        elif isinstance(entry, _Mark):
+            if self.policy.far_end_marks:
+                self._mark_at[entry.name] = self._released
+                await self._sink.send_mark(entry.name)
+            else:
+                self._on_played(entry.name)
+        else:
+            await self._sink.clear()

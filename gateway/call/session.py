@@ -1,0 +1,474 @@
+"""The call as a media session: inbound events in, paced 20 ms G.711 frames out.
+
+Every transport's call is one :class:`Call`. Its transport adapter (``gateway.twilio.session``,
+``gateway.sip.endpoint``, or a third one) only translates: it reports what arrives on the wire
+(:meth:`Call.inbound_audio`, :meth:`Call.dtmf`, :meth:`Call.playback_done`, :meth:`Call.received`)
+and implements :class:`CallTransport` to put frames, marks and ``clear`` on the wire and to end
+the call. Everything between is here, written once:
+
+- **Events** for the dialog (:attr:`Call.events`), stamped with the injected clock.
+- **The speech-detector feed**: inbound G.711 is decoded once, per codec, by the call's
+  :class:`~gateway.audio.vad.SpeechStartDetector`; a detected start is a :class:`SpeechStarted`.
+- **Inactivity**: :class:`~gateway.call.inactivity.InactivityWatch` on every inbound packet.
+- **Speaking**: the dialog hands the call audio, a speech stream to :meth:`Call.speak` (24 kHz
+  float chunks from the speech service) or 8 kHz PCM to :meth:`Call.play` (a cached prompt, a
+  WAV file). Speech goes through the phone-audio path (conditioning -> 8 kHz -> G.711 -> 20 ms
+  frames, :class:`~gateway.audio.framer.PhonePipeline`) into the call's
+  :class:`~gateway.call.playout.Playout`, which paces it to the transport with backpressure. An
+  utterance counts as played when its mark comes back.
+- **Barge-in** (:meth:`Call.barge_in`): generation is cancelled between chunks, buffered audio
+  dropped (faded out where the gateway owns the stream) and the far end cleared: control beats
+  media.
+
+Who decides what to say (the IVR runner, the greeter) and who turns text into speech (the
+speech service, through :class:`gateway.speech.Speaker`) sit above the call: it never sees text
+becoming audio, only audio becoming frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from gateway.audio.condition import Conditioning
+from gateway.audio.framer import Framer, PhonePipeline
+from gateway.audio.g711 import alaw_encode, codec_silence, float_to_int16, ulaw_encode
+from gateway.call.events import (
+    CallEvent,
+    CallOutcome,
+    Codec,
+    Dtmf,
+    Hangup,
+    PlaybackDone,
+    SpeechFailed,
+    SpeechStarted,
+)
+from gateway.call.inactivity import InactivityWatch
+from gateway.call.playout import FrameSink, Playout, PlayoutPolicy
+from gateway.clock import Clock
+from gateway.errors import EngineError
+from gateway.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "AudioStream",
+    "Call",
+    "CallTransport",
+    "Dialog",
+    "SpeechDetector",
+    "StreamOpener",
+    "Utterance",
+]
+
+
+class CallTransport(FrameSink, Protocol):
+    """What a transport adapter does for a call (besides reporting what arrives)."""
+
+    #: How the far end plays audio: the adapter's one statement about pacing.
+    playout: PlayoutPolicy
+
+    async def end(self, outcome: CallOutcome) -> None:
+        """Finish the call with ``outcome`` (Twilio: the <Connect action> answer; SIP: BYE or
+        REFER)."""
+
+    def abort(self, reason: str) -> None:
+        """Inbound media stopped (the peer is gone): end the wire side now, no outcome."""
+
+
+class AudioStream(Protocol):
+    """24 kHz float32 speech, chunk by chunk, stoppable between chunks (a ``SpeechStream``)."""
+
+    def __aiter__(self) -> AsyncIterator[npt.NDArray[np.float32]]: ...
+
+    def cancel(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+#: Opens the speech for an utterance once it exists (its id tags the request).
+StreamOpener = Callable[["Utterance"], AudioStream]
+
+
+class SpeechDetector(Protocol):
+    """Caller speech onsets from inbound G.711 frames (:class:`gateway.audio.vad`)."""
+
+    def push(self, frame: bytes | bytearray | memoryview) -> bool: ...
+
+
+@dataclass(eq=False)
+class Utterance:
+    """One thing the call says: its generation, its frames, its playback."""
+
+    id: str
+    text: str
+    turn_started_at: float
+    stream: AudioStream | None = None
+    first_frame_at: float | None = None
+    frames_sent: int = 0
+    generated: asyncio.Event = field(default_factory=asyncio.Event)
+    played: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set when generation failed (``error`` says why): no mark will come.
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set when the first frame has gone to the transport (the caller starts hearing it).
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    interrupted: bool = False
+    error: str | None = None
+    task: asyncio.Task[None] | None = None
+    #: True for audio played from the prompt cache or a file (no generation involved).
+    cached: bool = False
+    #: True when this utterance answers a caller's turn (answer, key, speech, webhook reply):
+    #: only those count in the first-audio histogram.
+    caller_turn: bool = True
+    #: With ``capture``, the 8 kHz float audio as it was sent (for caching a live render).
+    capture: list[npt.NDArray[np.float32]] | None = None
+    #: Called once, when the first frame has gone to the transport.
+    on_first_frame: Callable[[Utterance], None] | None = None
+
+    def frames_released(self, count: int, at: float) -> None:
+        """The playout handed ``count`` of this utterance's frames to the transport at ``at``."""
+        self.frames_sent += count
+        if self.first_frame_at is None:
+            self.first_frame_at = at
+            self.started.set()
+            if self.on_first_frame is not None:
+                self.on_first_frame(self)
+
+    def captured_pcm(self) -> npt.NDArray[np.int16] | None:
+        """The whole utterance as 8 kHz int16, if it was captured and generated completely."""
+        if self.capture is None or self.interrupted or self.error or not self.generated.is_set():
+            return None
+        audio = np.concatenate(self.capture) if self.capture else np.zeros(0, np.float32)
+        return float_to_int16(audio)
+
+    @property
+    def first_audio_s(self) -> float | None:
+        """Seconds from the caller's turn to the first frame handed to the transport."""
+        if self.first_frame_at is None:
+            return None
+        return self.first_frame_at - self.turn_started_at
+
+    @property
+    def done(self) -> bool:
+        return self.played.is_set() or self.interrupted or self.error is not None
+
+
+class Call:
+    """One phone call, whatever carries it: the media session the dialog talks to."""
+
+    def __init__(
+        self,
+        call_id: str,
+        transport: CallTransport,
+        clock: Clock,
+        *,
+        transport_name: str,
+        conditioning: Conditioning | None = None,
+        detector: SpeechDetector | None = None,
+        inactivity_s: float = 0.0,
+        watch: InactivityWatch | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.call_id = call_id
+        self.transport = transport
+        self.clock = clock
+        self.answered_at = clock.now()
+        self.events: asyncio.Queue[CallEvent] = asyncio.Queue()
+        self.utterances: list[Utterance] = []
+        self.ended = False
+        self.outcome: CallOutcome | None = None
+        #: Variables the transport knows about the call (caller, called, call_id).
+        self.parameters: dict[str, str] = {"call_id": call_id}
+        #: The admission seat this call holds (released when it ends).
+        self.seat: str = call_id
+        codec: Codec = transport.codec
+        self.codec = codec
+        self._pipeline = PhonePipeline(
+            codec, conditioner=conditioning.new() if conditioning is not None else None)
+        self.playout = Playout(
+            transport, clock, transport.playout,
+            silence=bytes([codec_silence(codec)]) * 160,
+            on_played=self._played,
+            on_failure=self._playout_failed,
+        )
+        self._detector = detector
+        #: Feed caller audio to the speech detector (off: nothing interruptible is playing).
+        self.listening = detector is not None
+        if watch is None:
+            watch = InactivityWatch(clock, inactivity_s, transport=transport_name,
+                                    metrics=metrics, on_expired=self._inactive, label=call_id)
+        else:
+            watch.relabel(call_id, self._inactive)
+        self.inactivity = watch
+        self._current: Utterance | None = None
+        self._pending_marks: dict[str, Utterance] = {}
+        self._metrics = metrics
+        self._transport_name = transport_name
+        self._seq = itertools.count(1)
+        self._started = False
+
+    # --- state --------------------------------------------------------------------------------
+
+    @property
+    def transport_name(self) -> str:
+        """``twilio`` or ``sip``: the label of this call's metrics."""
+        return self._transport_name
+
+    @property
+    def speaking(self) -> bool:
+        """True while an utterance is generating or not yet reported as played."""
+        return self._current is not None and not self._current.done
+
+    @property
+    def timed_out(self) -> bool:
+        """The inactivity watch gave up on the caller."""
+        return self.inactivity.expired
+
+    def start(self) -> None:
+        """Start pacing and watching (the lifecycle calls this once the call is registered)."""
+        if not self._started:
+            self._started = True
+            self.playout.start()
+            self.inactivity.start()
+
+    # --- what the transport adapter reports ---------------------------------------------------
+
+    def received(self, now: float | None = None) -> None:
+        """Some inbound packet arrived (it keeps the call alive). ``now``: the adapter's own
+        clock read for the packet, when it has one (one read per packet)."""
+        self.inactivity.touch(self.clock.now() if now is None else now)
+
+    def inbound_audio(self, payload: bytes | bytearray | memoryview,
+                      now: float | None = None) -> None:
+        """20 ms of caller audio in the call's codec: liveness, then the speech detector."""
+        if now is None:
+            now = self.clock.now()
+        self.inactivity.touch(now)
+        detector = self._detector
+        if detector is not None and self.listening and detector.push(payload):
+            self.deliver(SpeechStarted(at=now))
+
+    def dtmf(self, digit: str, now: float | None = None) -> None:
+        """A key the caller pressed (Twilio ``dtmf``, RFC 4733 telephone-event)."""
+        if now is None:
+            now = self.clock.now()
+        self.inactivity.touch(now)
+        self.deliver(Dtmf(digit, at=now))
+
+    def playback_done(self, name: str) -> None:
+        """The far end reports mark ``name`` played (Twilio's echo)."""
+        now = self.clock.now()
+        self.inactivity.touch(now)
+        self.playout.far_end_played(name)
+        self._played(name)
+
+    def hold(self, held: bool) -> None:
+        """The caller put the call on hold (or resumed): no media either way meanwhile."""
+        self.playout.paused = held
+        if held:
+            self.inactivity.suspend()
+        else:
+            self.inactivity.resume()
+
+    def deliver(self, event: CallEvent) -> None:
+        """Hand an inbound event to the dialog."""
+        if isinstance(event, PlaybackDone):
+            utterance = self._pending_marks.pop(event.name, None)
+            if utterance is not None:
+                utterance.played.set()
+        if isinstance(event, Hangup):
+            self.ended = True
+        self.events.put_nowait(event)
+
+    def _played(self, name: str) -> None:
+        self.deliver(PlaybackDone(name, at=self.clock.now()))
+
+    def _inactive(self) -> None:
+        self.transport.abort("inbound timeout")
+
+    def _playout_failed(self, exc: BaseException) -> None:
+        # A transport that cannot take frames any more: the call cannot go on.
+        self.transport.abort(f"playout failed: {exc}")
+
+    # --- speaking -----------------------------------------------------------------------------
+
+    def speak(self, text: str, open_stream: StreamOpener, *, turn_started_at: float | None = None,
+              capture: bool = False) -> Utterance:
+        """Start speaking ``text`` now from the stream ``open_stream`` gives; returns at once.
+
+        ``turn_started_at`` is when the caller's turn ended (DTMF received, call answered):
+        first-audio latency is measured from there. With ``capture`` the 8 kHz audio is kept so
+        the caller of this method can cache the sentence once it was generated completely.
+        """
+        utterance = self._new_utterance(text, turn_started_at)
+        if capture:
+            utterance.capture = []
+        if not utterance.done:
+            utterance.task = asyncio.create_task(self._speak(utterance, open_stream),
+                                                 name=f"say-{utterance.id}")
+        return utterance
+
+    def play(
+        self, pcm: npt.NDArray[np.int16], *, label: str, turn_started_at: float | None = None
+    ) -> Utterance:
+        """Start playing 8 kHz int16 ``pcm`` (a cached prompt or a WAV file) now.
+
+        No generation is involved: the first frames go out on the playout's next turn.
+        """
+        utterance = self._new_utterance(label, turn_started_at)
+        utterance.cached = True
+        if not utterance.done:
+            utterance.task = asyncio.create_task(
+                self._play(utterance, pcm), name=f"play-{utterance.id}"
+            )
+        return utterance
+
+    def _new_utterance(self, text: str, turn_started_at: float | None) -> Utterance:
+        if self.speaking:
+            raise RuntimeError("already speaking: barge_in() first")
+        utterance = Utterance(
+            id=f"{self.call_id[-8:]}-u{next(self._seq)}",
+            text=text,
+            turn_started_at=turn_started_at if turn_started_at is not None else self.clock.now(),
+            caller_turn=turn_started_at is not None,
+            on_first_frame=self._first_frame,
+        )
+        self._current = utterance
+        self.utterances.append(utterance)
+        if self.ended:
+            # The call is over (a dialog still running its last step): nothing is generated or
+            # sent, and the utterance is already done, never left generating for nobody.
+            utterance.interrupted = True
+            utterance.generated.set()
+        return utterance
+
+    def _first_frame(self, utterance: Utterance) -> None:
+        if not utterance.caller_turn:
+            return
+        assert utterance.first_frame_at is not None
+        latency = utterance.first_frame_at - utterance.turn_started_at
+        if self._metrics is not None:
+            source = "cached" if utterance.cached else "live"
+            self._metrics.first_audio.labels(self._transport_name, source).observe(latency)
+            self._metrics.turns.labels(self._transport_name, source).inc()
+        log.info("call %s: %s first audio %.1f ms after the caller's turn", self.call_id,
+                 utterance.id, 1000 * latency)
+
+    async def end(self, outcome: CallOutcome) -> None:
+        """Finish the call: transfer it or hang up (the transport knows how)."""
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        await self._stop_utterance()
+        self.ended = True
+        await self.transport.end(outcome)
+
+    async def barge_in(self) -> None:
+        """Stop the current utterance: cancel its generation, drop queued audio, clear."""
+        utterance = self._current
+        if utterance is None or utterance.done:
+            return
+        await self._stop_utterance()
+        self._pending_marks.pop(utterance.id, None)
+        self._pipeline.reset()
+        await self.playout.interrupt()
+        if self._metrics is not None:
+            self._metrics.barge_ins.labels(self._transport_name).inc()
+        log.info("call %s: barge-in stopped %s after %d frames", self.call_id, utterance.id,
+                 utterance.frames_sent)
+
+    async def close(self) -> None:
+        """Stop all work for this call (hang-up or socket gone)."""
+        self.ended = True
+        self.inactivity.cancel()
+        await self._stop_utterance()
+        await self.playout.close()
+
+    async def _stop_utterance(self) -> None:
+        utterance = self._current
+        if utterance is None or utterance.done:
+            return
+        utterance.interrupted = True
+        if utterance.stream is not None:
+            utterance.stream.cancel()
+        task = utterance.task
+        if task is not None and not task.done():
+            task.cancel()
+            await _reap(task)
+
+    async def _speak(self, utterance: Utterance, open_stream: StreamOpener) -> None:
+        pipeline = self._pipeline
+        pipeline.reset()
+        pipeline.tap = utterance.capture
+        playout = self.playout
+        playout.begin(utterance)
+        pushed = False
+        try:
+            stream = open_stream(utterance)
+            utterance.stream = stream
+            async for chunk in stream:
+                frames = pipeline.push(chunk)
+                if frames:
+                    pushed = True
+                    await playout.push(frames)
+            if utterance.interrupted or self.ended:
+                return
+            tail = pipeline.flush()
+            if tail:
+                pushed = True
+                await playout.push(tail)
+        except EngineError as exc:
+            utterance.error = str(exc)
+            utterance.failed.set()
+            log.warning("call %s: %s failed: %s", self.call_id, utterance.id, exc)
+            pipeline.reset()
+            if self._metrics is not None:
+                self._metrics.speech_failures.labels(self._transport_name).inc()
+            # Whatever was sent of it is incomplete: drop it here and at the far end too.
+            if pushed:
+                await playout.interrupt()
+            self.events.put_nowait(SpeechFailed(utterance.id, str(exc), at=self.clock.now()))
+            return
+        finally:
+            pipeline.tap = None
+            utterance.generated.set()
+        self._pending_marks[utterance.id] = utterance
+        playout.mark(utterance.id)
+
+    async def _play(self, utterance: Utterance, pcm: npt.NDArray[np.int16]) -> None:
+        codec = self.codec
+        encoded = ulaw_encode(pcm) if codec == "pcmu" else alaw_encode(pcm)
+        framer = Framer(codec_silence(codec))
+        frames = framer.push(encoded) + framer.flush()
+        self.playout.begin(utterance)
+        try:
+            await self.playout.push(frames)
+        finally:
+            utterance.generated.set()
+        if utterance.interrupted or self.ended:
+            return
+        self._pending_marks[utterance.id] = utterance
+        self.playout.mark(utterance.id)
+
+
+async def _reap(task: asyncio.Task[None]) -> None:
+    """Wait for a child task we cancelled; our own cancellation still propagates."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:
+        log.exception("utterance task failed while stopping")
+
+
+#: What drives a call once it is up: the IVR runner, or the first-call greeter.
+Dialog = Callable[[Call], Awaitable[None]]

@@ -1,0 +1,212 @@
+"""One turn's generation as the asyncio side sees it, and the counters the scheduler keeps.
+
+Split from :mod:`gateway.tts.service` so the two things that drive engines (the service's slot
+workers and :mod:`gateway.tts.batch_loop`) both depend on the stream without depending on each
+other: the import graph stays a tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gateway.errors import EngineError
+from gateway.tts.engine import SAMPLE_RATE, SpeechRequest
+
+__all__ = ["END_OF_STREAM", "ServiceStats", "SpeechStream", "append_bounded"]
+
+#: Put on a stream's queue to end its iteration.
+END_OF_STREAM = object()
+#: Per-turn stats lists keep at most twice this many entries (then the oldest half goes), so a
+#: gateway that runs for months does not grow them without bound.
+_STATS_KEEP = 4096
+
+
+def append_bounded(entries: list[Any], value: Any) -> None:
+    entries.append(value)
+    if len(entries) > 2 * _STATS_KEEP:
+        del entries[:_STATS_KEEP]
+
+
+@dataclass
+class ServiceStats:
+    """Counters the tests, the benchmark and ``/metrics`` read."""
+
+    started: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    pauses: int = 0
+    slots_retired: int = 0
+    #: Steps the watchdog gave up on (the turn failed, the slot left rotation until it returned).
+    stuck_steps: int = 0
+    #: Seconds from ``cancel()`` to the slot being free, one entry per cancelled generation
+    #: (the most recent few thousand).
+    cancel_to_free_s: list[float] = field(default_factory=list)
+    #: Order in which turns got a slot (their ``tags["turn"]`` or text), for ordering tests.
+    start_order: list[str] = field(default_factory=list)
+    # --- the batched loop ---
+    #: Batched steps run, and per step (the most recent few thousand): rows advanced, seconds
+    #: the step took, seconds since the previous step began.
+    steps: int = 0
+    step_rows: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    step_interval_s: list[float] = field(default_factory=list)
+    #: Seconds per prefill chunk run between steps.
+    prefill_s: list[float] = field(default_factory=list)
+    #: Rows that sat out steps because their consumer had not taken their chunks.
+    backpressure_waits: int = 0
+    #: Turns started over (not yet heard) after a failed batched step.
+    restarted: int = 0
+
+
+class SpeechStream:
+    """One turn's generation: an async iterator over its 24 kHz float32 chunks.
+
+    ``cancel()`` (or ``aclose()``) stops the generation; iteration then ends. Errors raised by
+    the engine surface here as :class:`~gateway.errors.EngineError`.
+    """
+
+    def __init__(
+        self,
+        request: SpeechRequest,
+        loop: asyncio.AbstractEventLoop,
+        turn_started_at: float,
+        deadline: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.request = request
+        self.turn_started_at = turn_started_at
+        self.deadline = deadline
+        self.submitted_at = clock()
+        self.started_at: float | None = None
+        self.first_chunk_at: float | None = None
+        self.finished_at: float | None = None
+        #: Seconds of audio generated so far.
+        self.audio_s = 0.0
+        #: Underruns seen by a listener who starts playing at the first chunk: a chunk arriving
+        #: after the previous audio would have finished playing.
+        self.gaps = 0
+        self.gap_s = 0.0
+        self.chunk_times: list[float] = []
+        self._playback_origin = 0.0
+        self._loop = loop
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._cancel = threading.Event()
+        self._cancelled_at: float | None = None
+        # Set when the service gave up on this turn (watchdog, no healthy slot): its consumer
+        # has been handed an EngineError and the worker must stop as soon as it can.
+        self._abandoned = False
+        self.finished = asyncio.Event()
+        # Backpressure: chunks handed over (engine thread) and taken (consumer). Each counter
+        # has one writer, so their difference is safe to read from either side.
+        self._produced = 0
+        self._consumed = 0
+        #: Set by the batched loop while this turn waits on its consumer; taking a chunk then
+        #: wakes the loop through ``_wake``.
+        self._blocked = False
+        self._wake: Callable[[], None] | None = None
+        #: Each frame's codec ids when the engine records them (tests, benchmarks).
+        self.codes: list[Any] = []
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def abandoned(self) -> bool:
+        """True once the service failed this turn itself (a stuck step, no healthy slot)."""
+        return self._abandoned
+
+    @property
+    def stopping(self) -> bool:
+        """The worker must not produce more for this turn (cancelled or abandoned)."""
+        return self._abandoned or self._cancel.is_set()
+
+    @property
+    def waiting_for_first_audio(self) -> bool:
+        return self.first_chunk_at is None
+
+    @property
+    def backlog(self) -> int:
+        """Chunks handed over that the consumer has not taken yet."""
+        return self._produced - self._consumed
+
+    def audio_ahead(self, now: float) -> float:
+        """Seconds of generated audio not yet played by a listener who started at chunk one."""
+        if self.first_chunk_at is None:
+            return 0.0
+        return self.audio_s - (now - self._playback_origin)
+
+    def cancel(self) -> None:
+        """Stop generating (idempotent, never blocks; call from the event loop)."""
+        if not self._cancel.is_set():
+            self._cancelled_at = time.monotonic()
+            self._cancel.set()
+            # Wake a consumer that is waiting for the next chunk.
+            self._queue.put_nowait(END_OF_STREAM)
+            if self._wake is not None:
+                self._wake()  # the batched loop frees the row without waiting for a step
+
+    def __aiter__(self) -> AsyncIterator[np.ndarray]:
+        return self
+
+    async def __anext__(self) -> np.ndarray:
+        if self._cancel.is_set() and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is END_OF_STREAM or self._cancel.is_set():
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise EngineError(f"speech generation failed: {item}") from item
+        assert isinstance(item, np.ndarray)
+        self._consumed += 1
+        if self._blocked and self._wake is not None:
+            self._blocked = False
+            self._wake()
+        return item
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    # --- called from the worker thread --------------------------------------------------------
+
+    def _record_chunk(self, samples: int, now: float) -> None:
+        if self.first_chunk_at is None:
+            self.first_chunk_at = now
+            self._playback_origin = now
+        else:
+            ran_out_at = self._playback_origin + self.audio_s
+            if now > ran_out_at:
+                # The listener heard silence from ran_out_at to now; playback resumes now.
+                self.gaps += 1
+                self.gap_s += now - ran_out_at
+                self._playback_origin += now - ran_out_at
+        self.audio_s += samples / SAMPLE_RATE
+        self.chunk_times.append(now)
+
+    def _put(self, item: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self._cancel.set()
+
+    def _abandon(self, error: EngineError) -> None:
+        """Fail the turn from outside its worker: the consumer gets ``error``."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        if not self._cancel.is_set():
+            self._put(error)
+
+    def _finish(self) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.finished.set)
+        except RuntimeError:
+            pass

@@ -1,0 +1,414 @@
+"""The call lifecycle both transports share, on a virtual clock (no model, no sockets).
+
+- admission: one budget for webhook reservations, ringing SIP calls and calls in progress;
+  reservations lapse; refusal reasons in order;
+- the lifecycle: start registers a call and runs the dialog the factory chooses for it; finish
+  tells the dialog, stops it, frees the seat; a dialog bug ends its call only; the drain waits
+  out its grace period (110 s here, in no real time) and hangs up the rest;
+- the RTP playout: one frame per 20 ms beat, silence when idle, a mark played once the frame
+  before it has gone, re-anchoring after a stall, backpressure, nothing sent while on hold, and
+  a barge-in that fades out instead of clicking (the click measured before and after);
+- the inactivity watch of a call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from clocks import VirtualClock
+
+from gateway.audio.g711 import ulaw_decode, ulaw_encode
+from gateway.call import (
+    Admission,
+    Call,
+    CallLifecycle,
+    CallOutcome,
+    CallRegistry,
+    HangUp,
+    Hangup,
+    Playout,
+    TransferTo,
+)
+from gateway.metrics import Metrics
+from gateway.readiness import Readiness
+from gateway.sip.endpoint import RTP_PLAYOUT
+
+SILENCE = b"\xff" * 160
+
+
+def _ready(clock: VirtualClock, metrics: Metrics | None = None) -> Readiness:
+    readiness = Readiness(metrics or Metrics(), clock)
+    readiness.mark_ready("test")
+    return readiness
+
+
+def _refused(metrics: Metrics, transport: str, reason: str) -> float:
+    return metrics.registry.get_sample_value(
+        "gateway_calls_refused_total", {"transport": transport, "reason": reason}) or 0.0
+
+
+# --- admission --------------------------------------------------------------------------------
+
+
+def test_a_reservation_whose_stream_never_comes_gives_its_place_back() -> None:
+    clock = VirtualClock()
+    metrics = Metrics()
+    admission = Admission(2, _ready(clock, metrics), clock, metrics)
+    assert admission.reserve("CA" + "7" * 32, "twilio", 30.0) is None
+    assert admission.reserve("CA" + "8" * 32, "twilio", 30.0) is None
+    assert admission.reserve("CA" + "9" * 32, "twilio", 30.0) == "at_capacity"
+    assert _refused(metrics, "twilio", "at_capacity") == 1
+    clock._now += 29.9
+    assert admission.refusal() == "at_capacity"
+    clock._now += 0.2  # 30 s after the webhook: the streams never came
+    assert admission.refusal() is None
+    assert not admission.reservations()
+
+
+def test_a_stream_claims_its_reservation_even_when_full_or_draining() -> None:
+    clock = VirtualClock()
+    readiness = _ready(clock)
+    admission = Admission(1, readiness, clock)
+    assert admission.reserve("CA1", "twilio", 30.0) is None
+    assert admission.admit("CA2", "twilio") == "at_capacity"  # a stray stream, no seat
+    readiness.begin_drain()
+    assert admission.admit("CA1", "twilio") is None  # the webhook admitted it before the drain
+    clock._now += 60
+    assert admission.seats() == 1 and not admission.reservations()  # held, never lapses
+
+
+def test_ringing_sip_calls_count_against_every_transport() -> None:
+    clock = VirtualClock()
+    admission = Admission(2, _ready(clock), clock)
+    assert admission.admit("sip-dialog-1", "sip") is None  # an INVITE, still ringing
+    assert admission.reserve("CA1", "twilio", 30.0) is None
+    assert admission.refusal() == "at_capacity"
+    admission.release("sip-dialog-1")  # cancelled while ringing
+    assert admission.free() == 1 and admission.seats("twilio") == 1
+
+
+def test_refusal_reasons_in_order() -> None:
+    clock = VirtualClock()
+    readiness = Readiness(Metrics(), clock)
+    admission = Admission(1, readiness, clock)
+    assert admission.refusal() == "not_ready"
+    readiness.mark_ready("test")
+    assert admission.refusal() is None
+    readiness.begin_drain()
+    assert admission.refusal() == "draining"  # draining wins: it will not come back
+    readiness.ready = False
+    assert admission.refusal() == "draining"
+
+
+# --- the lifecycle ----------------------------------------------------------------------------
+
+
+class FakeTransport:
+    """An adapter that records what the lifecycle made it do."""
+
+    codec = "pcmu"
+    playout = RTP_PLAYOUT
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+        self.frames: list[tuple[float, bytes]] = []
+        self.cleared: list[float] = []
+        self.outcome: CallOutcome | None = None
+        self.aborted: str | None = None
+        self.lifecycle: CallLifecycle | None = None
+        self.call: Call | None = None
+
+    async def send_frames(self, frames: list[bytes]) -> None:
+        self.frames.extend((self.clock.now(), frame) for frame in frames)
+
+    async def send_mark(self, name: str) -> None:
+        raise AssertionError("RTP has no far-end marks")
+
+    async def clear(self) -> None:
+        self.cleared.append(self.clock.now())
+
+    async def end(self, outcome: CallOutcome) -> None:
+        self.outcome = outcome
+        assert self.lifecycle is not None and self.call is not None
+        asyncio.get_running_loop().call_soon(
+            lambda: asyncio.ensure_future(self.lifecycle.finish(self.call, "local")))  # type: ignore[union-attr,arg-type]
+
+    def abort(self, reason: str) -> None:
+        self.aborted = reason
+
+
+class Dialogs:
+    def __init__(self) -> None:
+        self.chosen: list[str] = []
+        self.hangups: list[Hangup] = []
+        #: Calls whose dialog has a bug.
+        self.crash: set[str] = set()
+
+    def for_call(self, call: Call) -> Any:
+        self.chosen.append(call.parameters.get("called", ""))
+        return self.run
+
+    async def run(self, call: Call) -> None:
+        if call.call_id in self.crash:
+            raise RuntimeError("a dialog bug")
+        while True:
+            event = await call.events.get()
+            if isinstance(event, Hangup):
+                self.hangups.append(event)
+                return
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[tuple[VirtualClock, CallLifecycle, Dialogs, Metrics]]:
+    clock = VirtualClock()
+    metrics = Metrics()
+    readiness = _ready(clock, metrics)
+    dialogs = Dialogs()
+    lifecycle = CallLifecycle(admission=Admission(4, readiness, clock, metrics),
+                              registry=CallRegistry(metrics), readiness=readiness,
+                              dialogs=dialogs, clock=clock, metrics=metrics)
+    yield clock, lifecycle, dialogs, metrics
+    await lifecycle.close_all()
+
+
+def _start(lifecycle: CallLifecycle, clock: VirtualClock, key: str = "k1",
+           inactivity_s: float = 0.0) -> tuple[Call, FakeTransport]:
+    transport = FakeTransport(clock)
+    transport.lifecycle = lifecycle
+    assert lifecycle.admit(key, "sip") is None
+    call = lifecycle.start(key, transport, transport_name="sip", call_id=f"call-{key}",
+                           parameters={"caller": "100", "called": "+15550002222"},
+                           inactivity_s=inactivity_s)
+    transport.call = call
+    return call, transport
+
+
+async def test_start_runs_the_dialog_chosen_for_the_call_and_finish_frees_everything(rig) -> None:  # type: ignore[no-untyped-def]
+    clock, lifecycle, dialogs, metrics = rig
+    call, _ = _start(lifecycle, clock)
+    await clock.advance(0)
+    assert dialogs.chosen == ["+15550002222"]  # the factory saw the dialled number
+    assert lifecycle.registry.get("call-k1") is call and lifecycle.admission.seats() == 1
+    assert metrics.registry.get_sample_value("gateway_calls_active", {"transport": "sip"}) == 1
+    await lifecycle.finish(call, "bye")
+    assert [h.reason for h in dialogs.hangups] == ["bye"]
+    assert "call-k1" not in lifecycle.registry and lifecycle.admission.seats() == 0
+    assert metrics.registry.get_sample_value("gateway_calls_active", {"transport": "sip"}) == 0
+    await lifecycle.finish(call, "bye")  # a second finish (BYE retransmitted) is harmless
+    assert len(dialogs.hangups) == 1
+
+
+async def test_a_dialog_bug_hangs_up_its_own_call_only(rig) -> None:  # type: ignore[no-untyped-def]
+    clock, lifecycle, dialogs, _ = rig
+    dialogs.crash.add("call-bug")
+    healthy, _ = _start(lifecycle, clock, "ok")
+    _broken, transport = _start(lifecycle, clock, "bug")
+    for _ in range(10):
+        await clock.advance(0)
+    assert transport.outcome == HangUp()
+    assert "call-bug" not in lifecycle.registry and "call-ok" in lifecycle.registry
+    assert not healthy.ended
+
+
+async def test_the_drain_lets_calls_finish_within_the_grace_then_hangs_up(rig) -> None:  # type: ignore[no-untyped-def]
+    clock, lifecycle, _, metrics = rig
+    call, transport = _start(lifecycle, clock)
+    assert lifecycle.reserve("CA1", "twilio", 30.0) is None
+    drain = asyncio.create_task(lifecycle.drain(110.0))
+    await clock.advance(0)
+    assert lifecycle.readiness.draining and lifecycle.refusal() == "draining"
+    assert metrics.registry.get_sample_value("gateway_draining") == 1
+    await clock.advance(60)
+    assert not drain.done() and not call.ended and transport.outcome is None
+    await clock.advance(50)  # the grace is over: the call still up is hung up
+    await asyncio.wait_for(drain, 5)
+    assert transport.outcome == HangUp()
+
+
+async def test_the_drain_ends_as_soon_as_the_last_call_does(rig) -> None:  # type: ignore[no-untyped-def]
+    clock, lifecycle, _, _ = rig
+    call, transport = _start(lifecycle, clock)
+    drain = asyncio.create_task(lifecycle.drain(110.0))
+    await clock.advance(5)
+    await lifecycle.finish(call, "bye")
+    await clock.advance(0)
+    assert drain.done() and transport.outcome is None
+
+
+async def test_a_call_whose_media_stops_is_aborted_after_its_inactivity_timeout(rig) -> None:  # type: ignore[no-untyped-def]
+    clock, lifecycle, _, metrics = rig
+    call, transport = _start(lifecycle, clock, inactivity_s=60.0)
+    for _ in range(100):
+        call.inbound_audio(SILENCE)
+        await clock.advance(0.02)
+    call.hold(True)
+    await clock.advance(120)  # on hold: no media is expected
+    assert transport.aborted is None
+    call.hold(False)
+    await clock.advance(59.9)
+    assert transport.aborted is None
+    await clock.advance(0.2)
+    assert transport.aborted == "inbound timeout" and call.timed_out
+    assert metrics.registry.get_sample_value(
+        "gateway_calls_inbound_timeouts_total", {"transport": "sip"}) == 1
+
+
+# --- the RTP playout --------------------------------------------------------------------------
+
+
+def _frames(n: int, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    pcm = (8000 * rng.standard_normal(160 * n)).astype(np.int16)
+    data = ulaw_encode(pcm)
+    return [data[i * 160:(i + 1) * 160] for i in range(n)]
+
+
+class _Owner:
+    def __init__(self) -> None:
+        self.released = 0
+        self.first: float | None = None
+
+    def frames_released(self, count: int, at: float) -> None:
+        self.first = at if self.first is None else self.first
+        self.released += count
+
+
+@pytest.fixture
+async def rtp() -> AsyncIterator[tuple[VirtualClock, FakeTransport, Playout, list[str]]]:
+    clock = VirtualClock(start=10.0)
+    sink = FakeTransport(clock)
+    played: list[str] = []
+    playout = Playout(sink, clock, RTP_PLAYOUT, silence=SILENCE, on_played=played.append)
+    playout.start()
+    await clock.advance(0)  # the first beat, at the start
+    yield clock, sink, playout, played
+    await playout.close()
+
+
+async def test_rtp_goes_out_one_frame_per_20_ms_with_silence_between(rtp) -> None:  # type: ignore[no-untyped-def]
+    clock, sink, playout, played = rtp
+    await clock.advance(0.1)  # nothing to say: silence every beat
+    assert [f for _, f in sink.frames] == [SILENCE] * 6
+    owner = _Owner()
+    playout.begin(owner)
+    audio = _frames(10)
+    await playout.push(audio)
+    playout.mark("u1")
+    await clock.advance(0.25)
+    sent = [f for _, f in sink.frames]
+    start = sent.index(audio[0])
+    assert sent[start:start + 10] == audio and sent[start + 10] == SILENCE
+    times = [t for t, _ in sink.frames]
+    assert np.allclose(np.diff(times), 0.02)  # on the beat, no drift
+    assert played == ["u1"] and owner.released == 10
+    assert owner.first == pytest.approx(times[start])
+
+
+async def test_a_stalled_stream_re_anchors_instead_of_bursting(rtp) -> None:  # type: ignore[no-untyped-def]
+    clock, sink, _playout, _ = rtp
+    await clock.advance(0.04)
+    before = len(sink.frames)
+    clock._now += 1.0  # the event loop stalled for a second
+    await clock.advance(0.0)
+    # Not 50 frames at once (a jitter buffer would drop them): one, then back on the beat.
+    assert len(sink.frames) - before == 1
+    await clock.advance(0.1)
+    assert len(sink.frames) - before == 6
+
+
+async def test_push_waits_while_the_buffer_is_full(rtp) -> None:  # type: ignore[no-untyped-def]
+    clock, _, playout, _ = rtp
+    playout.begin(_Owner())
+    pushing = asyncio.create_task(playout.push(_frames(150)))
+    await clock.advance(0)
+    assert not pushing.done() and playout.buffered == 150
+    await clock.advance(1.0)  # 50 frames out: room for the producer again
+    assert pushing.done() and playout.buffered <= RTP_PLAYOUT.buffer_frames
+
+
+async def test_nothing_is_sent_on_hold(rtp) -> None:  # type: ignore[no-untyped-def]
+    clock, sink, playout, _ = rtp
+    playout.paused = True
+    before = len(sink.frames)
+    await clock.advance(1.0)
+    assert len(sink.frames) == before
+    playout.paused = False
+    await clock.advance(0.02)
+    assert len(sink.frames) == before + 1
+
+
+def click(stream: np.ndarray, cut: int) -> float:
+    """The click at sample ``cut`` of what the caller hears: the largest sample-to-sample step
+    from just before the cut to 20 ms after it, relative to the largest step of the signal's
+    own waveform before the cut. 1.0 or less: no step the audio did not already have; a cut
+    straight to silence steps by the whole sample value (up to 2.9x for a 440 Hz tone)."""
+    x = stream.astype(np.float64)
+    own = np.abs(np.diff(x[cut - 800:cut])).max()
+    return float(np.abs(np.diff(x[cut - 1:cut + 161])).max() / own)
+
+
+async def cut_tone(cut_after: int, *, fade: bool) -> tuple[float, int]:
+    """A 440 Hz tone played over RTP, barged in on after ``cut_after`` frames: the click at the
+    cut, and the fades the playout sent."""
+    from dataclasses import replace
+
+    clock = VirtualClock(start=10.0)
+    sink = FakeTransport(clock)
+    policy = replace(RTP_PLAYOUT, fade_on_interrupt=fade)
+    playout = Playout(sink, clock, policy, silence=SILENCE, on_played=lambda name: None)
+    playout.start()
+    await clock.advance(0)
+    t = np.arange(160 * 50) / 8000
+    data = ulaw_encode((12000 * np.sin(2 * np.pi * 440 * t)).astype(np.int16))
+    frames = [data[i * 160:(i + 1) * 160] for i in range(50)]
+    playout.begin(_Owner())
+    await playout.push(frames)
+    while sum(1 for _, f in sink.frames if f in frames) < cut_after:
+        await clock.advance(0.02)
+    await playout.interrupt()
+    await clock.advance(0.2)
+    await playout.close()
+    sent = [f for _, f in sink.frames]
+    last = max(i for i, f in enumerate(sent) if f in frames)
+    stream = ulaw_decode(b"".join(sent))
+    return click(stream, (last + 1) * 160), playout.fades
+
+
+async def test_a_barge_in_fades_the_prompt_out_instead_of_clicking() -> None:
+    """The click at the cut, before (a cut straight to silence) and after (the next 20 ms faded
+    out), at cuts spread over the tone's phase. bench/bargein_click.py measures it on speech."""
+    cuts = [5, 8, 11, 14, 17, 20, 23]
+    abrupt = [(await cut_tone(n, fade=False))[0] for n in cuts]
+    faded = [await cut_tone(n, fade=True) for n in cuts]
+    print(f"\nbarge-in click (440 Hz tone, {len(cuts)} cuts): step at the cut / the tone's own "
+          f"largest step: without the fade mean {np.mean(abrupt):.2f}, max {max(abrupt):.2f}; "
+          f"with it mean {np.mean([c for c, _ in faded]):.2f}, max {max(c for c, _ in faded):.2f}")
+    assert all(fades == 1 for _, fades in faded)
+    assert max(c for c, _ in faded) <= 1.05  # no step the waveform did not already have
+    assert np.mean(abrupt) > 1.5
+
+
+async def test_transfer_and_hangup_outcomes_reach_the_transport(rig) -> None:  # type: ignore[no-untyped-def]
+    clock, lifecycle, _, _ = rig
+    call, transport = _start(lifecycle, clock)
+    await call.end(TransferTo("+15555550100"))
+    await clock.advance(0)
+    assert transport.outcome == TransferTo("+15555550100")
+    assert "call-k1" not in lifecycle.registry
+
+
+async def test_a_dialog_that_speaks_after_the_hang_up_starts_nothing(rig) -> None:  # type: ignore[no-untyped-def]
+    """A stream that closes right after its ``start`` can end the call before its dialog ran
+    its first step: the greeting it then starts must not go on generating for nobody (it held
+    the only engine slot for minutes of virtual time in test_twilio_e2e)."""
+    clock, lifecycle, _, _ = rig
+    call, _transport = _start(lifecycle, clock)
+    await lifecycle.finish(call, "stream ended")
+    opened: list[object] = []
+    late = call.speak("Hello.", lambda utterance: opened.append(utterance))  # type: ignore[arg-type,return-value]
+    assert late.done and late.task is None and not opened
+    assert late.generated.is_set() and not call.speaking

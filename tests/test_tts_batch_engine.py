@@ -1,0 +1,460 @@
+"""The batched engine on CPU with the tiny checkpoint: per-row identity, sampling, caches, seam.
+
+The identity tests drive the engine directly (no threads), so which turns share which steps is
+exact: turns join and leave at chosen frames, sit steps out, and run in batches of 1 to 8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gateway.errors import EngineError
+from gateway.tts import batched as batched_module
+from gateway.tts.batch_cache import RowKVCache
+from gateway.tts.batch_sampling import RowDraws, kcap_for, penalise_repeats, sample_rows
+from gateway.tts.batched import (
+    BatchedQwenEngine,
+    BatchRow,
+    batch_buckets,
+    bucket_for,
+    kv_len_for,
+)
+from gateway.tts.engine import SAMPLES_PER_FRAME, Sampling, SpeechRequest
+from gateway.tts.qwen import QwenModel
+
+TEXTS = ["Press one for billing.", "Your balance is ten dollars.", "Please hold.",
+         "Goodbye, and thanks for calling us today.", "A", "Seven seven seven.",
+         "Transfer me to an agent, please.", "Account number?"]
+SPEAKERS = ["ryan", "vivian", "serena", "aiden", "dylan", "eric", "sohee", "ono_anna"]
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model_dir: Path) -> QwenModel:
+    return QwenModel(str(tiny_model_dir), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def engine(shared: QwenModel) -> BatchedQwenEngine:
+    return BatchedQwenEngine(shared, max_rows=8, record_codes=True, record_logits=True,
+                             trim_leading_silence=False)
+
+
+def _requests(sampling: Sampling | None, frames: int = 10) -> list[SpeechRequest]:
+    # Fixed lengths (frames + 2i): the random model would otherwise stop at random points.
+    return [SpeechRequest(text=TEXTS[i], speaker=SPEAKERS[i], seed=100 + i,
+                          max_frames=frames + 2 * i, min_frames=frames + 2 * i,
+                          sampling=sampling) for i in range(8)]
+
+
+def _drive(engine: BatchedQwenEngine, plan: list[tuple[int, SpeechRequest]],
+           sit_out: Callable[[int, int], bool] = lambda _turn, _step: False,
+           decode: bool = False) -> dict[int, BatchRow]:
+    """Run turns that join at given steps; ``sit_out(turn, step)`` holds a row back a step.
+
+    Returns every turn's finished row (codes and logits recorded; with ``decode`` the codec
+    runs too and each chunk's codes are recorded)."""
+    pending = sorted(enumerate(plan), key=lambda item: item[1][0])
+    live: dict[int, BatchRow] = {}
+    done: dict[int, BatchRow] = {}
+    step = 0
+    while pending or live:
+        while pending and pending[0][1][0] <= step:
+            turn, (_join, request) = pending.pop(0)
+            row = engine.open(request)
+            while row.prefilling:
+                engine.prefill(row)
+            live[turn] = row
+        advancing = [row for turn, row in live.items()
+                     if row.finished is None and not sit_out(turn, step)]
+        engine.step(advancing)
+        for turn, row in list(live.items()):
+            assert row.output is not None
+            if not decode:
+                row.output.buffer.clear()
+            while engine.next_chunk(row) is not None and row.finished is not None:
+                pass
+            if row.finished is not None and not row.output.buffer:
+                engine.close(row)
+                done[turn] = live.pop(turn)
+        step += 1
+    assert not engine.rows
+    return done
+
+
+def _codes(row: BatchRow) -> torch.Tensor:
+    return torch.stack(row.codes)
+
+
+def _first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).any(dim=1).nonzero()
+    if len(differ):
+        return int(differ[0])
+    return None if len(a) == len(b) else n
+
+
+def _draw(seed: int, step: int, index: int) -> float:
+    """The uniform a row drew for ``index`` (0-14: codebooks 1-15, 15: the next talker token)
+    at its ``step``-th frame: one draw at prefill, then 16 per frame."""
+    draws = RowDraws(seed)
+    draws.take(1)
+    for _ in range(step):
+        draws.take(16)
+    return float(draws.take(16)[index])
+
+
+def _sample(logits: torch.Tensor, u: float, temperature: float, top_k: int, top_p: float) -> int:
+    return int(sample_rows(logits[None], torch.tensor([u]), torch.tensor([temperature]),
+                           torch.tensor([top_k]), torch.tensor([top_p]),
+                           kcap_for([top_k], logits.shape[-1]))[0])
+
+
+def _relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    finite = torch.isfinite(a)
+    assert torch.equal(finite, torch.isfinite(b))
+    scale = max(1.0, float(a[finite].abs().max()))
+    return float((a[finite] - b[finite]).abs().max()) / scale
+
+
+def _decisions(row: BatchRow) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Every sampling decision after the prefill, in order: (frame, codebook, logits)."""
+    for frame in range(len(row.codes)):
+        for codebook in range(1, 16):
+            yield frame, codebook, row.predictor_logits[frame][codebook - 1]
+        if frame + 1 < len(row.codes):
+            yield frame + 1, 0, row.logits[frame]
+
+
+def _explain(solo: BatchRow, mixed: BatchRow, greedy: bool) -> tuple[float, str | None]:
+    """Compare two runs of one turn decision by decision.
+
+    Returns the worst relative logit difference up to the first differing code, and a
+    description of that code if the runs diverged. A divergence must be explained: the logits
+    agree within 1e-4, the same draw applied to each run's logits gives each run's code, and
+    the decision was balanced on an edge that float32 noise can tip: the two codes' logits are
+    within 1e-4 (their order in the sorted candidates swapped; greedy: a tie for the top), or
+    the draw lies within 1e-4 of a boundary of the sampled distribution.
+    """
+    s = solo.sampling
+    worst = 0.0
+    for (frame, codebook, la), (_f, _c, lb) in zip(_decisions(solo), _decisions(mixed),
+                                                   strict=False):
+        la, lb = la.cpu(), lb.cpu()
+        worst = max(worst, _relative_diff(la, lb))
+        a, b = int(solo.codes[frame][codebook]), int(mixed.codes[frame][codebook])
+        if a == b:
+            continue
+        assert worst < 1e-4
+        settings = ((s.temperature, s.top_k, s.top_p) if codebook == 0 else
+                    (s.predictor_temperature, s.predictor_top_k, s.predictor_top_p))
+        tie = abs(float(la[a] - la[b])) <= 1e-4 * max(1.0, float(la[a].abs()))
+        if greedy:
+            assert tie, (frame, codebook, float(la[a]), float(la[b]))
+            how = "tie for the top"
+        else:
+            u = _draw(solo.seed, frame - 1 if codebook == 0 else frame,
+                      15 if codebook == 0 else codebook - 1)
+            assert _sample(la, u, *settings) == a and _sample(lb, u, *settings) == b
+            edge = _sample(la, u - 1e-4, *settings) != _sample(la, u + 1e-4, *settings)
+            assert tie or edge, (frame, codebook, u)
+            how = "order swap of equal logits" if tie else "draw on a distribution boundary"
+        return worst, (f"frame {frame} codebook {codebook}: {a} alone, {b} batched "
+                       f"(logits {float(la[a]):.7f} / {float(la[b]):.7f}: {how})")
+    assert len(solo.codes) == len(mixed.codes)
+    return worst, None
+
+
+@pytest.mark.parametrize("sampling", [Sampling.greedy(), None], ids=["greedy", "seeded"])
+def test_a_turn_gives_the_same_codes_alone_and_sharing_steps_with_up_to_seven_others(
+    engine: BatchedQwenEngine, sampling: Sampling | None
+) -> None:
+    """Identity up to float32: batched GEMMs sum in another order than batch-1 ones (oneDNN and
+    cuBLAS pick kernels by shape), so logits differ in the last bits. Codes are identical unless
+    such noise tips a sample sitting on a distribution boundary; every divergence is checked
+    to be exactly that (see _explain), and the logits agree within 1e-4 of the solo run."""
+    requests = _requests(sampling)
+    solo = {i: _drive(engine, [(0, r)])[0] for i, r in enumerate(requests)}
+    # Joining every 2 steps with lengths 10..24, so each turn shares steps with 0 to 7 others
+    # in batches of every size; turns 3 and 5 also sit steps out while the others advance.
+    mixed = _drive(engine, [(2 * i, r) for i, r in enumerate(requests)],
+                   sit_out=lambda turn, step: (turn, step % 5) in ((3, 1), (5, 3)))
+    worst, diverged = 0.0, []
+    for i in range(8):
+        assert len(solo[i].codes) == requests[i].max_frames
+        diff, where = _explain(solo[i], mixed[i], greedy=sampling is not None)
+        worst = max(worst, diff)
+        if where is not None:
+            diverged.append(f"turn {i} {where}")
+    identical = 8 - len(diverged)
+    print(f"\n{identical}/8 turns identical to their solo run; max relative logit difference "
+          f"{worst:.1e}; explained divergences: {diverged or 'none'}")
+    assert worst < 1e-4
+    # Divergences are rare edge cases, not the rule.
+    assert identical >= 6
+
+
+def test_a_seeded_turn_is_reproducible_and_its_generator_is_its_own(
+    engine: BatchedQwenEngine,
+) -> None:
+    base = SpeechRequest(text="Your balance is ten dollars.", seed=7, max_frames=10)
+    first = _codes(_drive(engine, [(0, base)])[0])
+    # Two turns with the same seed side by side draw from separate generators: both equal the
+    # solo turn (the process-wide generator would have interleaved their draws).
+    pair = _drive(engine, [(0, base), (0, base)])
+    assert torch.equal(_codes(pair[0]), first) and torch.equal(_codes(pair[1]), first)
+    other = _codes(_drive(engine, [(0, SpeechRequest(text=base.text, seed=8, max_frames=10))])[0])
+    assert not torch.equal(first, other)
+    torch.manual_seed(0)
+    before = torch.rand(1)
+    torch.manual_seed(0)
+    _drive(engine, [(0, base)])
+    assert torch.equal(torch.rand(1), before), "the global RNG was touched"
+
+
+def test_each_row_samples_with_its_own_settings(engine: BatchedQwenEngine) -> None:
+    greedy = SpeechRequest(text="Press one.", seed=1, max_frames=8, sampling=Sampling.greedy())
+    hot = SpeechRequest(text="Press one.", seed=1, max_frames=8,
+                        sampling=Sampling(temperature=1.5, top_k=0, top_p=0.95))
+    alone = [_codes(_drive(engine, [(0, r)])[0]) for r in (greedy, hot)]
+    together = _drive(engine, [(0, greedy), (0, hot)])
+    assert torch.equal(_codes(together[0]), alone[0])
+    assert torch.equal(_codes(together[1]), alone[1])
+    assert not torch.equal(alone[0], alone[1])
+    with pytest.raises(EngineError, match="top_p"):
+        engine.stream(SpeechRequest(text="x", sampling=Sampling(top_p=0.0)))
+
+
+def test_a_row_that_sits_out_keeps_its_state_and_padding_rows_do_not_move(
+    engine: BatchedQwenEngine,
+) -> None:
+    requests = _requests(Sampling.greedy(), frames=8)[:3]
+    solo = _codes(_drive(engine, [(0, requests[1])])[0])
+    # Turn 1 sits out every other step while 0 and 2 advance: its positions, token, history
+    # and KV are untouched on those steps (its KV write went to the scratch position).
+    mixed = _drive(engine, [(0, r) for r in requests],
+                   sit_out=lambda turn, step: turn == 1 and step % 2 == 0)
+    assert torch.equal(_codes(mixed[1]), solo)
+
+
+def test_stream_chunks_follow_the_schedule_and_the_frame_cap(
+    engine: BatchedQwenEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Fixed schedule here; adaptive shrinking is tested in test_tts_chunking.py.
+    monkeypatch.setattr(engine, "adaptive_chunks", False)
+    chunks = list(engine.stream(SpeechRequest(text="Hello there.", seed=3, max_frames=19,
+                                              min_frames=19)))
+    sizes = [len(c) // SAMPLES_PER_FRAME for c in chunks]
+    assert sizes[:4] == [1, 2, 4, 8] and sum(sizes) == 19
+    assert all(c.dtype == np.float32 and np.abs(c).max() <= 1.0 for c in chunks)
+
+
+def test_streamed_audio_equals_one_decode_of_the_rows_codes(
+    engine: BatchedQwenEngine, shared: QwenModel
+) -> None:
+    row = _drive(engine, [(0, SpeechRequest(text="Nothing is lost.", seed=11, max_frames=21,
+                                            min_frames=21))], decode=True)[0]
+    codes = torch.cat(row.chunks)
+    assert torch.equal(codes, _codes(row))
+    decoder = shared.base.model.speech_tokenizer.model.decoder
+    solo = list(engine.stream(row.request))
+    with torch.inference_mode():
+        whole = decoder(codes.T.unsqueeze(0)).reshape(-1).numpy()
+    streamed = np.concatenate(solo)
+    error = streamed - whole
+    assert np.max(np.abs(error)) <= 1e-4 * max(1.0, float(np.abs(whole).max()))
+
+
+def test_a_prompt_too_long_for_its_row_is_a_clear_error(shared: QwenModel) -> None:
+    small = BatchedQwenEngine(shared, max_rows=1, max_seq_len=128)
+    with pytest.raises(EngineError, match="no room"):
+        list(small.stream(SpeechRequest(text="x" * 200)))
+    assert not small.rows
+
+
+def test_the_kv_memory_and_batch_cap_are_logged_at_start(
+    shared: QwenModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="gateway.tts.batched"):
+        engine = BatchedQwenEngine(shared, max_rows=3, max_seq_len=256)
+    line = next(r.getMessage() for r in caplog.records if "batch cap" in r.getMessage())
+    per_row = engine.kv_bytes_per_row
+    assert "batch cap 3 rows" in line and f"{per_row / 2**20:.1f} MiB per row" in line
+    assert f"{3 * per_row / 2**20:.1f} MiB for all rows" in line
+    config = shared.base.model.config.talker_config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # keys + values, every layer, 256 positions, float32
+    assert per_row == 2 * config.num_hidden_layers * config.num_key_value_heads * 256 * head_dim * 4
+
+
+# --- the CUDA-graph seam, exercised with the eager replayer --------------------------------------
+
+
+def test_buckets_and_attended_lengths() -> None:
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 48, 64)
+    assert batch_buckets(10) == (1, 2, 4, 8, 10)
+    assert [bucket_for(n, 64) for n in (1, 2, 3, 5, 9, 17, 33, 49, 64)] == [
+        1, 2, 4, 8, 16, 32, 48, 64, 64]
+    assert bucket_for(9, 10) == 10
+    with pytest.raises(ValueError):
+        bucket_for(11, 10)
+    assert [kv_len_for(n, 2048, True) for n in (1, 256, 257, 700, 2048)] == [
+        256, 256, 512, 1024, 2048]
+    assert [kv_len_for(n, 1024, False) for n in (1, 64, 65, 1000)] == [64, 64, 128, 1024]
+    assert kcap_for([50], 3072) == 64 and kcap_for([50, 100], 3072) == 256
+    assert kcap_for([0], 3072) == 3072 and kcap_for([5000], 2048) == 2048
+
+
+def test_one_graph_per_shape_is_captured_and_capture_warm_ups_change_no_row(
+    shared: QwenModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA branch of the seam with the eager replayer: capture warm-ups run the step for
+    real (as CUDA graph capture does) with every row masked, so rows mid-turn are unchanged."""
+    warmups = []
+
+    def fake_capture(step: Callable[[], None], device: Any, pool: Any = None,
+                     warmup: int = 2) -> Any:
+        for _ in range(warmup + 1):  # warm-ups plus the capture run itself
+            step()
+            warmups.append(step)
+        return batched_module._EagerReplay(step)
+
+    requests = _requests(Sampling.greedy(), frames=10)[:3]
+    reference = BatchedQwenEngine(shared, max_rows=4, record_codes=True)
+    expected = _drive(reference, [(2 * i, r) for i, r in enumerate(requests)])
+    engine = BatchedQwenEngine(shared, max_rows=4, record_codes=True)
+    monkeypatch.setattr(batched_module, "capture", fake_capture)
+    engine.cuda_graphs = True  # what CUDA would run; kv lengths now come in graph buckets
+    got = _drive(engine, [(2 * i, r) for i, r in enumerate(requests)])
+    for i in range(3):
+        assert torch.equal(_codes(got[i]), _codes(expected[i]))
+    # Buckets 1, 2 and 4 (three rows pad to four) at one attended length (256) and top-k 64.
+    assert sorted(engine._graphs) == [(1, 256, 64, 64), (2, 256, 64, 64), (4, 256, 64, 64)]
+    assert engine.captures == 3 and len(warmups) == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampling", [Sampling.greedy(), None], ids=["greedy", "seeded"])
+def test_cuda_graph_steps_match_the_eager_steps(
+    tiny_model_dir: Path, sampling: Sampling | None
+) -> None:
+    """The true CUDA path: graphs per bucket (captured at warm-up) give the eager step's codes,
+    up to the same explained float edges as batching (the eager step attends over other
+    lengths, so its attention kernels differ)."""
+    shared = QwenModel(str(tiny_model_dir), device="cuda", dtype="float32")
+    kwargs: dict[str, Any] = {"max_rows": 4, "record_codes": True, "record_logits": True}
+    graphs = BatchedQwenEngine(shared, **kwargs)
+    eager = BatchedQwenEngine(shared, cuda_graphs=False, **kwargs)
+    graphs.warmup()
+    assert graphs.captures >= len(batch_buckets(4))
+    requests = _requests(sampling, frames=10)[:3]
+    plan = [(2 * i, r) for i, r in enumerate(requests)]
+    got, expected = _drive(graphs, plan), _drive(eager, plan)
+    for i in range(3):
+        worst, _where = _explain(expected[i], got[i], greedy=sampling is not None)
+        assert worst < 1e-3
+
+
+# --- sampling, caches ---------------------------------------------------------------------------
+
+
+def test_inverse_cdf_sampling_follows_the_filtered_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    one = torch.ones(1)
+
+    def pick(u: float, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> int:
+        return int(sample_rows(logits, torch.tensor([u]), temperature * one,
+                               torch.tensor([top_k]), top_p * one, 4)[0])
+
+    assert [pick(u) for u in (0.0, 0.49, 0.51, 0.79, 0.81, 0.94, 0.96)] == [0, 0, 1, 1, 2, 2, 3]
+    assert [pick(u, top_k=2) for u in (0.6, 0.99)] == [0, 1]  # 0.5/0.8 = 0.625
+    assert [pick(u, top_p=0.7) for u in (0.6, 0.99)] == [0, 1]  # keeps 0.5 + 0.3
+    assert pick(0.99, temperature=0.0) == 0
+    # Per row: each row's token depends on its own logits, settings and draw only.
+    rows = torch.randn(5, 50)
+    u = torch.rand(5)
+    settings = (torch.tensor([0.9, 0.0, 1.3, 0.7, 1.0]), torch.tensor([50, 5, 0, 10, 3]),
+                torch.tensor([1.0, 1.0, 0.9, 0.5, 1.0]))
+    together = sample_rows(rows, u, *settings, 50)
+    for i in range(5):
+        alone = sample_rows(rows[i : i + 1], u[i : i + 1],
+                            *(s[i : i + 1] for s in settings), 50)
+        assert int(alone[0]) == int(together[i])
+
+
+def test_sampling_matches_the_distribution_of_multinomial() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 12, generator=generator) * 2
+    probs = torch.softmax(logits[0] / 0.8, dim=-1)
+    u = torch.rand(20000, generator=generator)
+    tokens = sample_rows(logits.expand(20000, -1), u, torch.full((20000,), 0.8),
+                         torch.zeros(20000, dtype=torch.long), torch.ones(20000), 12)
+    freq = torch.bincount(tokens, minlength=12).float() / 20000
+    assert float((freq - probs).abs().max()) < 0.015
+
+
+def test_repetition_penalty_matches_hugging_face() -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(3, 40)
+    history = [torch.tensor([1, 5, 5, 9]), torch.tensor([0]), torch.tensor([39, 2])]
+    seen = torch.zeros(3, 40, dtype=torch.bool)
+    for row, ids in enumerate(history):
+        seen[row, ids] = True
+    ours = penalise_repeats(logits, seen, torch.full((3,), 1.3))
+    for row, ids in enumerate(history):
+        theirs = RepetitionPenaltyLogitsProcessor(1.3)(ids[None], logits[row : row + 1].clone())
+        assert torch.allclose(ours[row], theirs[0])
+
+
+def test_row_draws_are_a_fixed_stream_per_seed() -> None:
+    a, b = RowDraws(5), RowDraws(5)
+    first = torch.cat([a.take(16).clone() for _ in range(20)])
+    second = torch.cat([b.take(16).clone() for _ in range(20)])
+    assert torch.equal(first, second) and not torch.equal(first[:16], first[16:32])
+    assert float(first.min()) >= 0 and float(first.max()) < 1
+
+
+def test_row_cache_writes_each_row_at_its_own_position(shared: QwenModel) -> None:
+    config = shared.base.model.config.talker_config
+    cache = RowKVCache(config, rows=3, max_seq_len=16, device="cpu", dtype=torch.float32)
+    heads, dim = cache.keys[0].shape[1], cache.keys[0].shape[3]
+    keys = torch.randn(2, heads, 1, dim)
+    cache.prepare(torch.tensor([4, cache.scratch]), kv_len=8)
+    got_k, _got_v = cache.update(keys, keys + 1, 0)
+    assert got_k.shape == (2, heads, 8, dim)
+    assert torch.equal(cache.keys[0][0, :, 4], keys[0, :, 0])
+    assert torch.equal(cache.keys[0][1, :, 15], keys[1, :, 0])  # the scratch slot
+    assert not cache.keys[0][1, :, :15].any() and not cache.keys[0][2].any()
+    cache.move_row(0, 2, length=5)
+    assert torch.equal(cache.keys[0][2, :, :5], cache.keys[0][0, :, :5])
+
+
+@pytest.fixture
+def tiny_engine_rows(engine: BatchedQwenEngine) -> Iterator[BatchedQwenEngine]:
+    yield engine
+    for row in list(engine.rows):
+        engine.close(row)
+
+
+def test_closing_a_row_moves_the_last_row_into_its_place(
+    tiny_engine_rows: BatchedQwenEngine,
+) -> None:
+    engine = tiny_engine_rows
+    requests = _requests(Sampling.greedy(), frames=6)[:3]
+    solo = _codes(_drive(engine, [(0, requests[2])])[0])
+    rows = [engine.open(r) for r in requests]
+    for row in rows:
+        while row.prefilling:
+            engine.prefill(row)
+    engine.step(rows)
+    engine.close(rows[0])  # row 2 (index 2) moves to index 0 with its KV and state
+    assert rows[2].index == 0 and rows[1].index == 1
+    while rows[2].finished is None:
+        engine.step([r for r in rows[1:] if r.finished is None])
+    assert torch.equal(_codes(rows[2]), solo)
