@@ -594,17 +594,17 @@ def test_refused_callers_back_off_and_are_counted_apart_with_a_budget_warning(
 @contextlib.contextmanager
 def call_budget(live: LiveServer, max_calls: int) -> Iterator[None]:
     """The replica's GATEWAY_MAX_CALLS, lowered for one test (admission reads it per call)."""
-    settings = live.state.settings
-    saved = settings.max_calls
-    settings.max_calls = max_calls
+    admission = live.gateway.admission
+    saved = admission.max_calls
+    admission.max_calls = max_calls
     try:
         yield
     finally:
-        settings.max_calls = saved
+        admission.max_calls = saved
 
 
 def _sip_target(live: LiveServer) -> str:
-    endpoint = live.state.sip
+    endpoint = live.gateway.sip
     assert endpoint is not None and endpoint.local_addr is not None
     host, port = endpoint.local_addr
     return f"{host}:{port}"
@@ -618,7 +618,7 @@ def test_the_real_gateway_at_its_budget_refuses_twilio_callers_who_back_off(
     with call_budget(gateway, 2):
         level = run_level(config, 4, 0)
     summary = level.summary()
-    busy = f"busy TwiML: {gateway.state.settings.busy_message}"
+    busy = f"busy TwiML: {gateway.gateway.settings.busy_message}"
     assert summary["errors"] == 0, summary["failures_by"]
     assert summary["refused"] >= 2 and summary["refused_by"] == {busy: summary["refused"]}
     assert summary["completed"] >= 2
@@ -642,7 +642,8 @@ def test_the_real_gateway_at_its_budget_refuses_sip_callers_with_486(
     assert summary["refused"] >= 1 and summary["refused_by"] == {
         "SIP 486 Busy Here": summary["refused"]}
     assert summary["completed"] >= 1
-    # (The gateway's gateway_calls_refused_total does not count its SIP 486s yet.)
+    # The gateway's own gateway_calls_refused_total{transport="sip"} counts what it turned away.
+    assert level.gateway is not None and level.gateway["refused"] == summary["refused"]
 
 
 async def test_at_a_sip_barge_in_the_gateway_marks_the_new_talkspurt_and_nothing_else(
