@@ -5,12 +5,13 @@ Tests call :func:`main` with an argv list instead of spawning a process.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -375,9 +376,9 @@ def prompts_render(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gateway.ivr.cache import PromptCache
-    from gateway.ivr.prompts import prompt_key, render_blocking, request_for, resolve_voice
+    from gateway.ivr.prompts import pcm_from_chunks, prompt_key, request_for, resolve_voice
     from gateway.ivr.script import ScriptError, load_script
-    from gateway.tts.qwen import QwenEngine
+    from gateway.tts.service import SpeechService
 
     settings = _settings(model=model, device=device, cache_dir=cache_dir)
     _setup_logging("warning")
@@ -388,10 +389,12 @@ def prompts_render(
     except ScriptError as exc:
         raise GatewayError(f"invalid script:\n{exc}") from None
     _require_model(settings.model)
-    from gateway.app import conditioning
+    from gateway.app import conditioning, default_engine_factory
 
-    engine = QwenEngine(model=settings.model, device=settings.device, dtype=settings.dtype,
-                        codec_decode=settings.codec_decode, trim_leading_silence=False)
+    # The gateway's own engines (batched by default) behind the speech scheduler: prompts render
+    # concurrently, one per batch row, as the gateway renders missing prompts at start-up.
+    engines = default_engine_factory(settings)
+    fingerprint = engines[0].fingerprint
     phone = conditioning(settings)
     cache = PromptCache(settings.cache_dir, max_memory_bytes=1)
     todo = []
@@ -399,22 +402,41 @@ def prompts_render(
     for script in scripts:
         voice = resolve_voice(script, settings.voices_dir)
         for text in script.static_sentences():
-            key = prompt_key(script, engine.fingerprint, voice.identity, text)
+            key = prompt_key(script, fingerprint, voice.identity, text)
             if cache.on_disk(key):
                 hits += 1
             else:
                 todo.append((script, voice, key, text))
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn())
-    with Progress(*columns, transient=False) as progress:
-        task = progress.add_task("rendering prompts", total=len(todo))
-        for script, voice, key, text in todo:
-            t0 = time.perf_counter()
-            cache.put(key, render_blocking(engine, request_for(script, text, voice), phone),
-                      render_s=time.perf_counter() - t0)
-            progress.advance(task)
+    speech = SpeechService(engines)
+    speech.start()
+    t0 = time.perf_counter()
+    try:
+        with Progress(*columns, transient=False) as progress:
+            task = progress.add_task("rendering prompts", total=len(todo))
+
+            async def render_all() -> None:
+                limit = asyncio.Semaphore(max(1, speech.capacity))
+
+                async def render_one(script: Any, voice: Any, key: Any, text: str) -> None:
+                    async with limit:
+                        started = time.perf_counter()
+                        stream = speech.stream(request_for(script, text, voice))
+                        chunks = [chunk async for chunk in stream]
+                        # Written as each finishes: an interrupted run resumes from here.
+                        cache.put(key, pcm_from_chunks(chunks, phone),
+                                  render_s=time.perf_counter() - started)
+                        progress.advance(task)
+
+                await asyncio.gather(*(render_one(*item) for item in todo))
+
+            asyncio.run(render_all())
+    finally:
+        speech.stop()
     typer.echo(f"{hits} already cached, {len(todo)} rendered into {settings.cache_dir} "
-               f"({cache.stats.render_s:.1f} s of rendering on {engine.device})")
+               f"in {time.perf_counter() - t0:.1f} s on {engines[0].name} "
+               f"({speech.capacity} at once)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import socket
 import sys
 import threading
@@ -59,12 +60,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
+def _built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
+                build: Callable[[Path], object]) -> Path:
+    """``build(path)`` once per test run, whatever the number of pytest-xdist workers.
+
+    Workers share the run's base temporary directory (its parent, under xdist); the first to
+    take the lock builds, the others wait and reuse. Only deterministic artefacts go here (the
+    tiny checkpoints are byte-identical for a seed; the demo cache is rendered with seeds).
+    """
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        base = base.parent
+    path = base / "shared" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = path.with_name(name + ".done")
+    with FileLock(str(path) + ".lock"):
+        if not done.exists():
+            build(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight CustomVoice checkpoint of the real architecture (built once)."""
     from gateway.tts.tiny import build_tiny_checkpoint
 
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "custom_voice")
+    return _built_once(tmp_path_factory, "tiny-custom-voice", build_tiny_checkpoint)
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +96,8 @@ def tiny_base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Base (voice-clone) checkpoint."""
     from gateway.tts.tiny import build_tiny_checkpoint
 
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "base", kind="base")
+    return _built_once(tmp_path_factory, "tiny-base",
+                       lambda path: build_tiny_checkpoint(path, kind="base"))
 
 
 @pytest.fixture(scope="session")
@@ -264,12 +289,21 @@ def serve_virtual(settings_overrides: dict[str, object], engine_factory=None,  #
         return task
 
     task = loop.run_until_complete(up())
+    previous_real_work = loop.real_work
+
+    def computing() -> bool:
+        speech = gateway.speech
+        return (speech is not None and speech.computing) or bool(
+            previous_real_work is not None and previous_real_work())
+
+    loop.real_work = computing
     try:
         if gateway.readiness.load_error:
             raise RuntimeError(gateway.readiness.load_error)
         yield VirtualServer(base_url, f"ws://127.0.0.1:{port}/twilio/media", gateway, server,
                             loop)
     finally:
+        loop.real_work = previous_real_work
         server.should_exit = True
         loop.run_until_complete(task)
         sock.close()
@@ -336,22 +370,12 @@ def demo_cache_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
     ``gateway prompts render`` does; servers and runner tests in this run start from it."""
     from gateway.cli import main
 
-    cache = tmp_path_factory.mktemp("prompt-cache")
-    code = main(
-        [
-            "prompts",
-            "render",
-            str(DEMO_SCRIPT),
-            "--model",
-            str(tiny_model_dir),
-            "--device",
-            "cpu",
-            "--cache-dir",
-            str(cache),
-        ]
-    )
-    assert code == 0
-    return cache
+    def render(cache: Path) -> None:
+        code = main(["prompts", "render", str(DEMO_SCRIPT), "--model", str(tiny_model_dir),
+                     "--device", "cpu", "--cache-dir", str(cache)])
+        assert code == 0
+
+    return _built_once(tmp_path_factory, "demo-prompt-cache", render)
 
 
 def _backend_app(seen: list[dict[str, Any]]) -> Any:

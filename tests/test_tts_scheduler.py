@@ -13,7 +13,7 @@ import torch
 
 from gateway.errors import EngineError
 from gateway.tts.codec_stream import StreamingCodecDecoder
-from gateway.tts.engine import SAMPLES_PER_FRAME, Engine, SpeechRequest
+from gateway.tts.engine import SAMPLE_RATE, SAMPLES_PER_FRAME, Engine, SpeechRequest
 from gateway.tts.qwen import QwenEngine, QwenModel
 from gateway.tts.service import SpeechService, SpeechStream
 
@@ -203,9 +203,21 @@ async def test_gaps_are_counted_when_a_chunk_arrives_after_playback_ran_out(
 ) -> None:
     service = service_factory(two_slots[:1])
     stream = service.stream(SpeechRequest(text="Gaps?", seed=1, max_frames=20, min_frames=20))
-    await _drain(stream)
-    # The tiny model runs ~5x faster than real time on CPU: no underruns.
-    assert stream.gaps == 0 and stream.gap_s == 0
+    chunks = await _drain(stream)
+    # Whether a real turn underruns depends on how busy the machine is (the tiny model runs ~5x
+    # faster than real time on an idle CPU; bench/ measures that): what must hold is that the
+    # stream's count follows its own chunk timeline, replayed here by a listener who starts at
+    # the first chunk and waits out every underrun.
+    times = stream.chunk_times
+    assert len(times) == len(chunks) >= 2
+    origin, played_s, gaps, gap_s = times[0], 0.0, 0, 0.0
+    for at, chunk in zip(times, chunks, strict=True):
+        ran_out_at = origin + played_s
+        if played_s and at > ran_out_at:
+            gaps, gap_s, origin = gaps + 1, gap_s + (at - ran_out_at), origin + (at - ran_out_at)
+        played_s += len(chunk) / SAMPLE_RATE
+    assert stream.gaps == gaps and stream.gap_s == pytest.approx(gap_s, abs=1e-9)
+    assert stream.audio_s == pytest.approx(played_s)
     # The playback model itself: a chunk 1 s late after 80 ms of audio is one gap of ~0.92 s.
     probe = SpeechStream(SpeechRequest(text="x"), asyncio.get_running_loop(), 0.0, 0.2,
                          time.monotonic)

@@ -9,12 +9,12 @@ loop over real loopback sockets, with :class:`clocks.LoopClock` injected into th
 waiting, in order with everything else that was scheduled, in milliseconds.
 
 Real time still passes where the work is real: while an executor job runs (``to_thread``: the
-engine loading, a cache write) the clock follows real time instead of jumping. Work on other
-threads that is not an executor job (the speech service's engine threads) is seen when its
-result arrives as I/O: meanwhile the loop's time moves on through its timers, so live speech
-looks slow in virtual time (harmless: no caller-facing timeout runs while a sentence is being
-generated, and the speech service schedules on its own clock). What a test waits for it waits
-for with a real-time limit.
+engine loading, a cache write) or ``real_work()`` says another thread is computing (a gateway's
+speech service generating a sentence: :attr:`SpeechService.computing`), the clock follows real
+time instead of jumping, and the loop sleeps until its next timer or the work's result. Without
+that the loop would race through its timers while a sentence is generated (RTP keep-alive beats,
+a caller's own media), burning the cores the engine needs and making live speech look slow.
+What a test waits for it waits for with a real-time limit.
 
 ``realtime = True`` turns it back into an ordinary loop (its time follows the real clock, offset
 so it never goes back) for tests where real timing is the point, on the same gateway.
@@ -48,6 +48,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._realtime = False
         self._idle_s = idle_s
         self._jobs = 0
+        #: Says whether real work runs on another thread (real time passes meanwhile).
+        self.real_work: Callable[[], bool] | None = None
         #: How often, and how far, the clock jumped (tests print it).
         self.jumps = 0
         self.jumped_s = 0.0
@@ -64,10 +66,13 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             events = real_select(wait)
             if events:
                 return events
-            if self._jobs:
-                # An executor job is doing real work: its time passes for real.
+            if self._jobs or (self.real_work is not None and self.real_work()):
+                # Real work in progress (an executor job, an engine step): its time passes for
+                # real, and the loop sleeps until its next timer or the work's result wakes it.
+                rest = None if timeout is None else max(0.0, timeout - wait)
+                events = real_select(rest)
                 self._virtual += time.monotonic() - started
-                return []
+                return events
             if timeout is None:
                 # No timer at all: only I/O (or a thread) can wake anything. Wait for it.
                 return real_select(None)

@@ -16,7 +16,7 @@ from gateway.audio.g711 import float_to_int16
 from gateway.audio.resample import Decimator24kTo8k
 from gateway.ivr.cache import PromptCache, PromptKey
 from gateway.ivr.script import Script
-from gateway.tts.engine import Engine, SpeechRequest, VoicePrompt
+from gateway.tts.engine import SpeechRequest, VoicePrompt
 from gateway.tts.service import SpeechService
 
 log = logging.getLogger(__name__)
@@ -76,12 +76,6 @@ def pcm_from_chunks(chunks: Iterable[np.ndarray],
     return float_to_int16(np.concatenate(parts) if parts else np.zeros(0, np.float32))
 
 
-def render_blocking(engine: Engine, request: SpeechRequest,
-                    conditioning: Conditioning | None = None) -> np.ndarray:
-    """Render one prompt synchronously (CLI)."""
-    return pcm_from_chunks(engine.stream(request), conditioning)
-
-
 async def render_missing(
     script: Script,
     cache: PromptCache,
@@ -111,8 +105,10 @@ async def render_missing(
         cache.put(key, pcm_from_chunks(chunks, conditioning), render_s=time.monotonic() - t0)
         rendered += 1
 
-    # Deadline order in the scheduler is submission order here; bound the burst by the slots.
-    limit = asyncio.Semaphore(max(1, len(speech.engines)))
+    # Deadline order in the scheduler is submission order here; bound the burst by what the
+    # device generates at once (every batch row, or every slot), so a batched engine renders
+    # the whole script in a few batched passes instead of one prompt at a time.
+    limit = asyncio.Semaphore(max(1, speech.capacity))
 
     async def bounded(key: PromptKey, text: str) -> None:
         async with limit:

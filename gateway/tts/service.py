@@ -155,6 +155,18 @@ class SpeechService:
         return len(self._slots)
 
     @property
+    def computing(self) -> bool:
+        """An engine is working right now (a step, a prefill chunk, a decode); False while
+        every engine is idle or waiting for its consumers to take their audio.
+
+        Read without the lock (a snapshot): for observers such as a test's virtual clock,
+        which must let real time pass while speech is really being computed.
+        """
+        if self._loops:
+            return any(loop.beat_at is not None for loop in self._loops)
+        return any(slot.beat_at is not None for slot in self._slots)
+
+    @property
     def busy_slots(self) -> int:
         """Turns generating now (batch rows or slots in use)."""
         return len(self._running)
