@@ -274,15 +274,18 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
+        # ``max_calls`` is this replica's call budget (GATEWAY_MAX_CALLS): the load simulator
+        # warns when it offers more concurrent callers than that, rather than report refusals
+        # as the engine's limit.
         if readiness.draining:
             # A load balancer stops sending new calls here; the active ones carry on.
-            return JSONResponse({"status": "draining", "calls": len(registry)},
-                                status_code=503)
+            return JSONResponse({"status": "draining", "calls": len(registry),
+                                 "max_calls": admission.max_calls}, status_code=503)
         if readiness.ready and readiness.engine_name is not None:
             return JSONResponse({"status": "ready", "engine": readiness.engine_name,
-                                 "calls": len(registry)})
+                                 "calls": len(registry), "max_calls": admission.max_calls})
         body = {"status": "failed" if readiness.load_error else "loading",
-                "error": readiness.load_error}
+                "error": readiness.load_error, "max_calls": admission.max_calls}
         return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")

@@ -91,3 +91,42 @@ def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
 def test_usage_errors_exit_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["say"]) == 2
     assert "Missing" in capsys.readouterr().err
+
+
+def _free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("how", ["offline", "unreachable"])
+def test_say_with_a_hub_model_and_no_hub_fails_at_once_with_the_loader_advice(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    import time
+
+    # An empty hub cache: the default model is not there.
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    if how == "offline":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        # A hub endpoint on loopback where nothing listens: the connection is refused at once.
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_free_tcp_port()}")
+    t0 = time.monotonic()
+    code = main(["say", "Hi.", "-o", str(tmp_path / "x.wav"), "--device", "cpu"])
+    elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "cannot load Qwen3-TTS model 'Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice'" in err
+    assert "--model /path/to/model" in err and "gateway model tiny DIR" in err
+    if how == "offline":
+        assert "HF_HUB_OFFLINE=1 and it is not in the local cache" in err
+    else:
+        assert "the Hugging Face hub could not provide it (127.0.0.1:" in err
+    assert elapsed < 10, f"took {elapsed:.1f} s"  # it used to retry for 53 s
+    assert not (tmp_path / "x.wav").exists()

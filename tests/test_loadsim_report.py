@@ -1,4 +1,4 @@
-"""Load-simulator report: one self-contained HTML file that a real browser renders, and the table.
+"""Load-simulator report: one self-contained HTML file that a real browser renders, and the tables.
 
 The browser check needs Debian's ``chromium`` (``.ci/run`` installs it); without it the test
 fails and says so rather than skipping, because a report nobody looked at is not tested.
@@ -21,13 +21,15 @@ from rich.console import Console
 from gateway.loadsim.report import (
     ReportDataError,
     build_html,
+    render_breakdown,
     render_report,
     render_summary_table,
 )
 
 TARGET = "http://127.0.0.1:8000"
-REFUSAL = "simulator lateness p99 31.0 ms is more than 10% of the first-audio p50 250.0 ms"
+WITHHELD = "simulator lateness p99 31.0 ms is more than 10% of the first-audio p50 250.0 ms"
 ERROR = "websocket closed: 1011 <internal error> & no audio"
+BUSY = "busy TwiML: Sorry, all our lines are busy right now."
 
 
 def _pcts(values: list[float], keys: tuple[str, ...] = ("p50", "p95", "p99")) -> dict[str, Any]:
@@ -38,10 +40,12 @@ def _pcts(values: list[float], keys: tuple[str, ...] = ("p50", "p95", "p99")) ->
 
 
 def synthetic_document(seed: int = 7, restart_clock: bool = False) -> dict[str, Any]:
-    """Three levels (x5, x10, x20) and 60 calls with seeded latencies, gaps and errors."""
+    """Three levels (x5, x10, x20) and 60 calls with seeded latencies, gaps and errors, plus
+    calls the gateway refused (busy) at the two higher levels."""
     rng = np.random.default_rng(seed)
     concurrency = [5, 10, 20]
     calls_per_level = [10, 20, 30]
+    refused_per_level = [0, 2, 5]
     calls: list[dict[str, Any]] = []
     levels: list[dict[str, Any]] = []
     for index, (conc, n_calls) in enumerate(zip(concurrency, calls_per_level, strict=True)):
@@ -64,33 +68,46 @@ def synthetic_document(seed: int = 7, restart_clock: bool = False) -> dict[str, 
             if n == 4 and index == 1:  # one very slow turn, beyond the plot's cut
                 turns[1]["first_audio_ms"] = 9000.0
             level_calls.append({
-                "id": f"w0-l{index}-c{n + 1}", "level": index,
+                "id": f"w0-l{index}-c{n + 1}", "level": index, "started_s": start,
                 "setup_ms": float(rng.uniform(8, 30)),
                 "error": ERROR if (index, n) in {(1, 7), (2, 2), (2, 11)} else None,
+                "refused": None,
                 "turns": turns, "jitter_ms": float(rng.uniform(0.5, 4.0)),
                 "mark_rtt_ms": [float(x) for x in rng.uniform(2, 12, size=3)],
                 "loss_pct": float(rng.uniform(0, 0.5)),
             })
+        for n in range(refused_per_level[index]):  # busy: no setup, no turns
+            level_calls.append({
+                "id": f"w0-l{index}-r{n + 1}", "level": index, "refused": BUSY, "error": None,
+                "started_s": base + float(rng.uniform(0, 16)), "turns": [],
+            })
         firsts = [t["first_audio_ms"] for c in level_calls for t in c["turns"]
                   if t["first_audio_ms"] is not None]
+        errors = sum(1 for c in level_calls if c["error"])
+        refused = refused_per_level[index]
+        placed = n_calls + refused
         levels.append({
-            "concurrency": conc, "calls": n_calls,
-            "errors": sum(1 for c in level_calls if c["error"]), "dropped": int(index == 2),
+            "concurrency": conc, "calls": placed, "completed": placed - errors - refused,
+            "refused": refused, "refused_by": {BUSY: refused} if refused else {},
+            "errors": errors, "failures_by": {ERROR: errors} if errors else {},
+            "placed_per_s": placed / 16.0, "duration_s": 16.0, "dropped": int(index == 2),
             "ttfa_ms": _pcts(firsts), "gaps": sum(t["gaps"] for c in level_calls
                                                   for t in c["turns"]),
             "gap_ms": float(sum(t["gap_ms"] for c in level_calls for t in c["turns"])),
             "mos": 4.3 - 0.1 * index, "r_factor": 90.0 - 2.0 * index,
             "lateness_ms": {"p99": [0.4, 1.1, 31.0][index]},
             "passed": [True, False, None][index],
-            "refused": REFUSAL if index == 2 else None,
+            "withheld": WITHHELD if index == 2 else None,
         })
         calls.extend(level_calls)
     return {
         "meta": {
-            "target": TARGET, "transport": "twilio", "scenario": "menu",
+            "version": 2, "target": TARGET, "transport": "twilio", "scenario": "menu",
             "started": "2025-11-30T01:00:00+00:00", "duration_s": 60.0, "workers": 1,
             "simulator_lateness_ms": {"p50": 0.21, "p99": 12.5, "max": 40.2},
             "slo": "ttfa_p95<400ms,gaps=0", "slo_passed": False,
+            "warnings": ["offered concurrency 20 exceeds the gateway's call budget "
+                         "(max_calls 16 in /readyz)"],
         },
         "levels": levels,
         "calls": calls,
@@ -133,10 +150,11 @@ def test_report_sections_and_banners() -> None:
                     'id="fig-latency-vs-concurrency"', 'id="fig-gaps-over-time"'):
         assert section in page
     assert 'class="banner fail">SLO missed: ttfa_p95&lt;400ms,gaps=0' in page
-    assert "Level ×20: latency figures refused" in page
-    assert REFUSAL in page
-    assert 'class="refused"' in page  # the refused level's row is marked
-    assert "Simulator&#x27;s own lateness" in page and "p99 12.50" in page
+    assert "Level ×20: latency figures withheld" in page
+    assert WITHHELD in page
+    assert 'class="withheld"' in page  # the withheld level's row is marked
+    # markupsafe (Jinja2's autoescape) writes ' as &#39;
+    assert "Simulator&#39;s own lateness" in page and "p99 12.50" in page
     # Untrusted strings are escaped, not interpreted.
     assert "&lt;internal error&gt; &amp; no audio" in page and "<internal error>" not in page
     # Axis labels (drawn as glyph paths; matplotlib keeps the text as a comment).
@@ -161,14 +179,14 @@ def test_empty_and_partial_documents_still_render() -> None:
     assert "no first-audio measurements in this run" in page
 
 
-def test_every_level_refused_renders_cleanly_and_deterministically() -> None:
+def test_every_level_withheld_renders_cleanly_and_deterministically() -> None:
     doc = synthetic_document()
     for level in doc["levels"]:
-        level["refused"] = REFUSAL
+        level["withheld"] = WITHHELD
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. matplotlib's "no artists with labels" legend
         page = build_html(doc)
-    assert page.count("latency figures refused by the simulator") == 3
+    assert page.count("latency figures withheld by the simulator") == 3
     # Same document, same bytes: no timestamps or random ids in the SVGs.
     assert build_html(doc) == page
 
@@ -198,13 +216,104 @@ def test_summary_table_has_a_row_per_level() -> None:
     console.print(render_summary_table(doc))
     text = console.export_text()
     assert "menu → http://127.0.0.1:8000 (twilio)" in text
-    for level, verdict in zip(doc["levels"], ("pass", "FAIL", "refused"), strict=True):
+    for level, verdict in zip(doc["levels"], ("pass", "FAIL", "withheld"), strict=True):
         p95 = f"{level['ttfa_ms']['p95']:,.0f}"
         row = next(line for line in text.splitlines()
                    if re.match(rf"\W*{level['concurrency']}\b", line))
         assert p95 in row and verdict in row
     assert "SLO ttfa_p95<400ms,gaps=0: missed" in text
-    assert "refused at concurrency 20" in text
+    assert "latency figures withheld at ×20 (simulator lateness too large" in text
+
+
+def _render(renderables: list[Any], width: int) -> list[str]:
+    console = Console(record=True, width=width, color_system=None)
+    for renderable in renderables:
+        console.print(renderable)
+    return console.export_text().splitlines()
+
+
+def test_summary_fits_80_columns_with_every_figure_whole() -> None:
+    doc = synthetic_document()
+    lines = _render([render_summary_table(doc), render_breakdown(doc)], 80)
+    assert max(len(line) for line in lines) <= 80
+    assert not any("…" in line for line in lines)  # nothing cut to fit
+    for level, verdict in zip(doc["levels"], ("pass", "FAIL", "withheld"), strict=True):
+        row = next(line for line in lines if re.match(rf"\s*×{level['concurrency']}\s", line))
+        cells = row.split()
+        assert cells[:4] == [f"×{level['concurrency']}", f"{level['calls']:,}",
+                             f"{level['refused']:,}", f"{level['errors']:,}"]
+        assert f"{level['ttfa_ms']['p95']:,.0f}" in cells and cells[-1] == verdict
+        # One line per level: placed calls and their rate, completed / refused / failed.
+        assert (f"×{level['concurrency']}: {level['calls']:,} calls placed "
+                f"({level['placed_per_s']:,.2f}/s), {level['completed']:,} completed, "
+                f"{level['refused']:,} refused, {level['errors']:,} failed") in lines
+    # Grouped by cause, refusals apart from failures, each cause in full.
+    text = " ".join(lines)
+    refused_row = next(line for line in lines if " refused " in line and "busy" in line)
+    assert refused_row.split()[:3] == ["7", "refused", "×10,"]
+    failed_row = next(line for line in lines if " failed " in line and "1011" in line)
+    assert failed_row.split()[:3] == ["3", "failed", "×10,"]
+    assert BUSY in text and ERROR in text
+
+
+def test_summary_blocks_per_speech_for_a_capacity_search() -> None:
+    doc = synthetic_document()
+    for level, speech in zip(doc["levels"], ("cached", "cached", "live"), strict=True):
+        level["speech"] = speech
+    doc["levels"][2]["characters_per_s"] = 31.25
+    doc["meta"]["capacity"] = {
+        "cached": {"concurrency": 5, "target": TARGET, "scenario": "menu",
+                   "characters_per_s": None, "hourly_cost": 2.5, "cost_per_million_chars": None},
+        "live": {"concurrency": 20, "target": TARGET, "scenario": "live",
+                 "characters_per_s": 31.25, "hourly_cost": 2.5,
+                 "cost_per_million_chars": 2.5 / 3600 / 31.25 * 1e6},
+    }
+    lines = _render([render_summary_table(doc)], 80)
+    assert max(len(line) for line in lines) <= 80
+    assert "cached speech: menu → http://127.0.0.1:8000 (twilio)" in lines[0]
+    assert any(line.startswith("live speech: live → http://127.0.0.1:8000") for line in lines)
+    assert any("31.2 characters/s synthesised" in line for line in lines)
+    page = build_html(doc)
+    assert "Capacity per gateway machine at the SLO" in page
+    assert "$22.22" in page  # 2.50 $/h over 31.25 characters/s, per million
+
+
+def test_progress_line_never_wraps() -> None:
+    from gateway.loadsim.cli import progress_line
+
+    state = {"concurrency": 20, "elapsed": 12.345, "active": 16, "placed": 40, "refused": 4,
+             "failed": 0, "ttfa_p95": 180.4, "lateness_ms": 1.23}
+    line = progress_line(state, 80)
+    assert line == ("×20  12.3s  active 16  placed 40  refused 4  failed 0  p95 180ms  "
+                    "late 1.2ms")
+    assert progress_line({**state, "offered": "5/s"}, 80).startswith("5/s  12.3s  active 16")
+    huge = {**state, "concurrency": 10_000, "active": 9_999, "placed": 1_234_567,
+            "refused": 1_000_000, "failed": 99_999, "ttfa_p95": 123_456.0}
+    for width in (40, 80):
+        assert len(progress_line(huge, width)) == width - 1
+
+
+def test_refused_calls_are_counted_apart_from_failures_in_the_report() -> None:
+    page = build_html(synthetic_document())
+    # The level rows: placed, completed, refused, failed, placed/s side by side.
+    assert "<td>35</td><td>28</td><td>5</td><td>2</td><td>2.19</td>" in page
+    assert '<td class="l refused">refused</td><td class="l">×10, ×20</td>' in page
+    assert '<td class="l failed">failed</td>' in page
+    assert "busy TwiML: Sorry, all our lines are busy right now." in page
+    assert "exceeds the gateway&#39;s call budget (max_calls 16 in /readyz)" in page
+
+
+def test_version_1_documents_still_render() -> None:
+    """Before refusals were counted, a level's "refused" held the withheld-figures reason."""
+    doc = synthetic_document()
+    for level in doc["levels"]:
+        level["refused"] = level.pop("withheld")
+        for key in ("completed", "refused_by", "failures_by", "placed_per_s", "duration_s"):
+            level.pop(key)
+    page = build_html(doc)
+    assert page.count("latency figures withheld by the simulator") == 1 and WITHHELD in page
+    lines = _render([render_summary_table(doc)], 80)
+    assert any(line.split()[-1:] == ["withheld"] for line in lines)
 
 
 # --- a real browser ------------------------------------------------------------------------------
@@ -243,6 +352,6 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert counts.max() / len(rgb) < 0.9
     ink = np.count_nonzero(rgb.min(axis=1) < 200) / len(rgb)
     assert ink > 0.02
-    # The refused-level banner's fill (#fff4e5) is on screen.
+    # The withheld-level banner's fill (#fff4e5) is on screen.
     banner = np.all(np.abs(rgb.astype(int) - (0xFF, 0xF4, 0xE5)) <= 1, axis=1)
     assert np.count_nonzero(banner) > 5000

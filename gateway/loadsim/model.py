@@ -1,5 +1,15 @@
 """What the load simulator measures, how it aggregates, and the SLO it checks.
 
+Every placed call ends one of three ways, counted apart everywhere (tables, plots, the SLO):
+
+- *completed*: the scenario ran to its end;
+- *refused*: the gateway said "not now" - the busy TwiML (``<Say>`` + ``<Hangup/>``) from the
+  voice webhook, a Media Stream closed 1013 ("try again later"), SIP 486/503/600. A refusal is
+  the gateway protecting the calls it has; it is not a failure, but it says the offered load is
+  more than it takes;
+- *failed*: something broke, and :attr:`CallRecord.error` says what, precisely enough to group
+  on: the WebSocket close code and reason, the SIP status, which turn timed out.
+
 The JSON document these classes serialise to is the simulator's result file (one per run, one
 per worker process, mergeable across hosts) and the input of :mod:`gateway.loadsim.report`.
 """
@@ -7,7 +17,8 @@ per worker process, mergeable across hosts) and the input of :mod:`gateway.loads
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -36,17 +47,26 @@ class Turn:
     gap_ms: float = 0.0
     barge_in_ms: float | None = None
     timed_out: bool = False
+    #: The keys pressed in this turn ("" for the answer).
+    keys: str = ""
+    #: Characters of the live sentence that answered this turn, once heard to its end (the
+    #: ``live`` scenario); 0 when unknown or cached.
+    chars: int = 0
 
 
 @dataclass
 class CallRecord:
-    """One simulated call."""
+    """One simulated call: completed, refused (``refused`` says how) or failed (``error``)."""
 
     id: str
     level: int
     transport: str = "twilio"
     setup_ms: float | None = None
+    #: Why the call failed, in words stable enough to group calls on (no per-call ids).
     error: str | None = None
+    #: How the gateway refused the call (busy TwiML, close 1013, SIP 486/503/600).
+    refused: str | None = None
+    #: The gateway ended the call before the caller's scenario was over.
     dropped: bool = False
     turns: list[Turn] = field(default_factory=list)
     jitter_ms: float | None = None
@@ -55,6 +75,25 @@ class CallRecord:
     audio_ms: float = 0.0
     started_s: float = 0.0
     ended_s: float = 0.0
+    #: Where the gateway transferred the call (TwiML <Dial> after the stream, SIP REFER).
+    transferred_to: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        """``completed``, ``refused`` or ``failed``."""
+        if self.error:
+            return "failed"
+        return "refused" if self.refused else "completed"
+
+    def fail(self, cause: str) -> None:
+        """Record why the call failed, unless an earlier cause was already recorded."""
+        if self.error is None and self.refused is None:
+            self.error = cause
+
+    def refuse(self, how: str) -> None:
+        """Record that the gateway refused the call (unless it had already failed)."""
+        if self.error is None and self.refused is None:
+            self.refused = how
 
     @property
     def gap_ms(self) -> float:
@@ -79,9 +118,13 @@ class CallRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CallRecord:
-        turns = [Turn(**t) for t in data.get("turns", [])]
-        fields = {k: v for k, v in data.items() if k != "turns"}
-        return cls(**fields, turns=turns)
+        """Read a call back (fields this version does not know, from other versions, are
+        dropped)."""
+        known = {f.name for f in fields(Turn)}
+        turns = [Turn(**{k: v for k, v in t.items() if k in known})
+                 for t in data.get("turns", [])]
+        names = {f.name for f in fields(cls)} - {"turns"}
+        return cls(**{k: v for k, v in data.items() if k in names}, turns=turns)
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -92,19 +135,36 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
             "p99": float(np.percentile(arr, 99)), "max": float(arr.max())}
 
 
+def _grouped(causes: list[str]) -> dict[str, int]:
+    return dict(Counter(causes).most_common())
+
+
 @dataclass
 class Level:
-    """Aggregates of every call run at one concurrency level."""
+    """Aggregates of every call placed at one load level."""
 
     concurrency: int
     calls: list[CallRecord]
     lateness_ms: list[float] = field(default_factory=list)
-    #: Refuse latency figures when the simulator's own p99 lateness exceeds this fraction of
+    #: Withhold latency figures when the simulator's own p99 lateness exceeds this fraction of
     #: the p50 first-audio latency it measured...
-    refuse_fraction: float = 0.25
+    withhold_fraction: float = 0.25
     #: ...or, when an SLO is being checked, of the tightest latency bound in it: a 2 ms timing
     #: error cannot flip a verdict on "p95 < 200 ms" even if the figure itself is only 5 ms.
     slo_bound_ms: float | None = None
+    #: Wall-clock seconds the level ran (first dial to the last call's end).
+    duration_s: float | None = None
+    #: How load was offered: concurrency (callers redial), rate (Poisson arrivals) or ramp.
+    pattern: str = "concurrency"
+    #: What the gateway's own /metrics counted during the level (turns by source, refusals),
+    #: when it could be read.
+    gateway: dict[str, float] | None = None
+    #: The speech the level meant to measure: ``cached`` (prompts from the cache) or ``live``.
+    speech: str | None = None
+    #: The gateway it ran against, when a document holds levels of several.
+    target: str | None = None
+    #: The load offered, as people read it: "×20" callers, "5/s" arrivals, "×1→20" a ramp.
+    offered: str | None = None
 
     def summary(self) -> dict[str, Any]:
         firsts = [t.first_audio_ms for c in self.calls for t in c.turns
@@ -114,22 +174,35 @@ class Level:
         models = [m for m in (c.emodel() for c in self.calls) if m is not None]
         lateness = percentiles(self.lateness_ms)
         ttfa = percentiles(firsts)
-        refused = None
+        withheld = None
         reference = ttfa["p50"]
         if reference is not None and self.slo_bound_ms is not None:
             reference = max(reference, self.slo_bound_ms)
         if lateness["p99"] is not None and reference is not None and \
-                lateness["p99"] > self.refuse_fraction * reference:
+                lateness["p99"] > self.withhold_fraction * reference:
             what = ("the SLO's latency bound" if reference != ttfa["p50"]
                     else "the first-audio p50")
-            refused = (f"simulator lateness p99 {lateness['p99']:.1f} ms is more than "
-                       f"{self.refuse_fraction:.0%} of {what} {reference:.1f} ms: "
-                       "latency figures withheld; run with more --workers or on another host")
+            withheld = (f"simulator lateness p99 {lateness['p99']:.1f} ms is more than "
+                        f"{self.withhold_fraction:.0%} of {what} {reference:.1f} ms: "
+                        "latency figures withheld; run with more --workers or on another host")
+        refused = [c.refused for c in self.calls if c.refused and not c.error]
+        failed = [c.error for c in self.calls if c.error]
+        placed = len(self.calls)
+        characters = sum(t.chars for c in self.calls for t in c.turns)
+        duration = self.duration_s
         return {
             "concurrency": self.concurrency,
-            "calls": len(self.calls),
+            "pattern": self.pattern,
+            "duration_s": duration,
+            "calls": placed,
+            "completed": placed - len(refused) - len(failed),
+            "refused": len(refused),
+            "refused_pct": 100.0 * len(refused) / placed if placed else 0.0,
+            "refused_by": _grouped(refused),
+            "errors": len(failed),
+            "failures_by": _grouped(failed),
+            "placed_per_s": placed / duration if duration else None,
             "turns": sum(len(c.turns) for c in self.calls),
-            "errors": sum(1 for c in self.calls if c.error),
             "dropped": sum(1 for c in self.calls if c.dropped),
             "timeouts": timeouts,
             "ttfa_ms": ttfa,
@@ -140,8 +213,14 @@ class Level:
             "jitter_ms": percentiles([c.jitter_ms for c in self.calls if c.jitter_ms is not None]),
             "mos": float(np.mean([m[1] for m in models])) if models else None,
             "r_factor": float(np.mean([m[0] for m in models])) if models else None,
+            "characters": characters,
+            "characters_per_s": characters / duration if characters and duration else None,
+            "gateway": self.gateway,
+            "speech": self.speech,
+            "target": self.target,
+            "offered": self.offered or f"×{self.concurrency}",
             "lateness_ms": lateness,
-            "refused": refused,
+            "withheld": withheld,
         }
 
 
@@ -152,8 +231,10 @@ _METRICS = {
     "ttfa_p50": ("ttfa_ms", "p50"), "ttfa_p95": ("ttfa_ms", "p95"),
     "ttfa_p99": ("ttfa_ms", "p99"), "barge_p95": ("barge_in_ms", "p95"),
     "setup_p95": ("setup_ms", "p95"), "gaps": ("gaps", None), "gap_ms": ("gap_ms", None),
-    "errors": ("errors", None), "timeouts": ("timeouts", None), "dropped": ("dropped", None),
-    "mos": ("mos", None),
+    # errors and failed are the same count: calls that broke (refusals are not among them).
+    "errors": ("errors", None), "failed": ("errors", None), "timeouts": ("timeouts", None),
+    "dropped": ("dropped", None), "mos": ("mos", None),
+    "refused": ("refused", None), "refused_pct": ("refused_pct", None),
 }
 
 
@@ -203,9 +284,9 @@ def evaluate(clauses: list[Clause], summary: dict[str, Any]) -> tuple[bool, list
     """Whether a level meets every clause, with a line per clause."""
     lines = []
     passed = True
-    if summary.get("refused") and any(c.metric.startswith(("ttfa", "barge", "setup"))
-                                      for c in clauses):
-        return False, [f"refused: {summary['refused']}"]
+    if summary.get("withheld") and any(c.metric.startswith(("ttfa", "barge", "setup"))
+                                       for c in clauses):
+        return False, [f"withheld: {summary['withheld']}"]
     for clause in clauses:
         ok, actual = clause.check(summary)
         passed &= ok

@@ -1,54 +1,70 @@
-"""The load simulator's report: one self-contained HTML file, and the end-of-run terminal table.
+"""The load simulator's report: one self-contained HTML file, and the end-of-run terminal tables.
 
 Both are built from the simulator's JSON result document (a plain ``dict``), so a result file
 written on one host can be rendered on another, and this module does not depend on the
 simulator's classes. The document is read once into the small typed view below (STYLE.md
 rule 9); a document that cannot be read raises :class:`ReportDataError` naming the field.
 
-The HTML file works offline and forever: the plots are SVG drawn by matplotlib (its SVG
-backend, never pyplot, so no GUI backend is chosen and no global figure state is touched)
-and embedded inline, the CSS is inline, and there is no JavaScript, no web font and no
-external reference. Text in the plots is drawn as glyph paths, so it renders the same without
-any font installed.
+The HTML page is rendered from a Jinja2 template shipped as package data
+(``gateway/loadsim/templates/report.html.j2``) with autoescaping on, so every string from the
+document (targets, failure causes, SLOs) is escaped by the template engine, not by hand. It
+works offline and forever: the plots are SVG drawn by matplotlib (its SVG backend, never
+pyplot, so no GUI backend is chosen and no global figure state is touched) and embedded
+inline, the CSS is inline, and there is no JavaScript, no web font and no external reference.
+Text in the plots is drawn as glyph paths, so it renders the same without any font installed.
 
-Document layout (missing optional fields render as "—")::
+The terminal summary fits an 80-column terminal: one table per measured speech (cached, live),
+ten narrow columns, then one line per level and the calls that did not complete grouped by
+cause.
 
-    {"meta": {"target", "transport", "scenario", "started", "duration_s", "workers",
-              "simulator_lateness_ms": {"p50", "p99", "max"}, "slo", "slo_passed"},
-     "levels": [{"concurrency", "calls", "errors", "dropped", "ttfa_ms": {"p50", "p95", "p99"},
-                 "gaps", "gap_ms", "mos", "r_factor", "lateness_ms": {"p99"}, "passed",
-                 "refused": null | "reason"}],
-     "calls": [{"id", "level" (index into "levels"), "setup_ms", "error",
-                "turns": [{"kind", "at_s", "first_audio_ms", "gaps", "gap_ms", "barge_in_ms",
-                           "timed_out"}],
-                "jitter_ms", "mark_rtt_ms", "loss_pct"}]}
+Document layout (missing optional fields render as "—"; version 1 documents, whose levels
+carried the withheld-figures reason as ``refused``, still render)::
+
+    {"meta": {"version", "target", "transport", "scenario", "started", "duration_s", "workers",
+              "simulator_lateness_ms": {"p50", "p99", "max"}, "slo", "slo_passed",
+              "warnings": [str], "capacity": {speech: {"concurrency", "target", "scenario",
+              "characters_per_s", "hourly_cost", "cost_per_million_chars"}}},
+     "levels": [{"concurrency", "calls", "completed", "refused", "errors", "dropped",
+                 "refused_by": {cause: n}, "failures_by": {cause: n}, "placed_per_s",
+                 "duration_s", "ttfa_ms": {"p50", "p95", "p99"}, "gaps", "gap_ms", "mos",
+                 "r_factor", "characters_per_s", "speech", "target", "lateness_ms": {"p99"},
+                 "passed", "withheld": null | "reason"}],
+     "calls": [{"id", "level" (index into "levels"), "setup_ms", "error", "refused",
+                "started_s", "turns": [{"kind", "at_s", "first_audio_ms", "gaps", "gap_ms",
+                "barge_in_ms", "timed_out"}], "jitter_ms", "mark_rtt_ms", "loss_pct"}]}
 """
 
 from __future__ import annotations
 
-import html
 import io
 import itertools
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import matplotlib
 import numpy as np
+from jinja2 import Environment, PackageLoader, StrictUndefined
+from markupsafe import Markup
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from rich import box
+from rich.console import Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from gateway.errors import GatewayError
 
 if TYPE_CHECKING:
     from matplotlib.typing import RcKeyType
 
-__all__ = ["ReportDataError", "build_html", "render_report", "render_summary_table"]
+__all__ = ["ReportDataError", "build_html", "render_breakdown", "render_report",
+           "render_summary_table"]
 
 
 class ReportDataError(GatewayError):
@@ -117,6 +133,15 @@ def _object(value: Any, path: str) -> Mapping[str, Any]:
     return value
 
 
+def _counts(obj: Mapping[str, Any], key: str, path: str) -> tuple[tuple[str, int], ...]:
+    """A ``{cause: count}`` object, largest first."""
+    counts = _mapping(obj, key, path)
+    out = []
+    for cause in counts:
+        out.append((str(cause), _int(counts, cause, f"{_where(path, key)}")))
+    return tuple(sorted(out, key=lambda item: -item[1]))
+
+
 @dataclass(frozen=True, slots=True)
 class _Pcts:
     p50: float | None = None
@@ -130,6 +155,17 @@ class _Pcts:
 
 
 @dataclass(frozen=True, slots=True)
+class _Capacity:
+    speech: str
+    concurrency: int | None
+    target: str | None
+    scenario: str | None
+    characters_per_s: float | None
+    hourly_cost: float | None
+    cost_per_million: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class _Meta:
     target: str
     transport: str
@@ -140,11 +176,27 @@ class _Meta:
     lateness: _Pcts
     slo: str | None
     slo_passed: bool | None
+    warnings: tuple[str, ...]
+    capacity: tuple[_Capacity, ...]
 
     @classmethod
     def parse(cls, obj: Mapping[str, Any]) -> _Meta:
         p = "meta"
         workers = _num(obj, "workers", p)
+        warnings = []
+        for i, text in enumerate(_list(obj, "warnings", p)):
+            if not isinstance(text, str):
+                raise ReportDataError(f"{p}.warnings[{i}]: expected a string, got {text!r}")
+            warnings.append(text)
+        capacity = []
+        for speech, raw in _mapping(obj, "capacity", p).items():
+            where = f"{p}.capacity.{speech}"
+            entry = _object(raw, where)
+            conc = _num(entry, "concurrency", where)
+            capacity.append(_Capacity(
+                str(speech), None if conc is None else int(conc), _str(entry, "target", where),
+                _str(entry, "scenario", where), _num(entry, "characters_per_s", where),
+                _num(entry, "hourly_cost", where), _num(entry, "cost_per_million_chars", where)))
         return cls(
             target=_str(obj, "target", p) or "?",
             transport=_str(obj, "transport", p) or "?",
@@ -155,6 +207,8 @@ class _Meta:
             lateness=_Pcts.parse(_mapping(obj, "simulator_lateness_ms", p), f"{p}.lateness"),
             slo=_str(obj, "slo", p),
             slo_passed=_bool(obj, "slo_passed", p),
+            warnings=tuple(warnings),
+            capacity=tuple(capacity),
         )
 
 
@@ -162,32 +216,69 @@ class _Meta:
 class _Level:
     concurrency: int
     calls: int
+    completed: int
+    refused: int
     errors: int
     dropped: int
+    refused_by: tuple[tuple[str, int], ...]
+    failures_by: tuple[tuple[str, int], ...]
+    placed_per_s: float | None
+    duration_s: float | None
     ttfa: _Pcts
     gaps: int
     gap_ms: float
     mos: float | None
     r_factor: float | None
+    characters_per_s: float | None
+    speech: str | None
+    target: str | None
+    offered: str | None
     lateness: _Pcts
     passed: bool | None
-    refused: str | None
+    withheld: str | None
+
+    @property
+    def label(self) -> str:
+        """The load the level offered: "×20" callers, "5/s" arrivals, "×1→20" a ramp."""
+        return self.offered or f"×{self.concurrency}"
 
     @classmethod
     def parse(cls, obj: Mapping[str, Any], path: str) -> _Level:
+        # Version 1 documents carried the withheld-figures reason in "refused".
+        legacy = obj.get("refused")
+        if isinstance(legacy, str) or (legacy is None and "withheld" not in obj):
+            withheld = legacy or None
+            refused = 0
+        else:
+            withheld = _str(obj, "withheld", path) or None
+            refused = _int(obj, "refused", path)
+        calls = _int(obj, "calls", path)
+        errors = _int(obj, "errors", path)
+        completed = obj.get("completed")
         return cls(
             concurrency=_int(obj, "concurrency", path),
-            calls=_int(obj, "calls", path),
-            errors=_int(obj, "errors", path),
+            calls=calls,
+            completed=(calls - refused - errors if completed is None
+                       else _int(obj, "completed", path)),
+            refused=refused,
+            errors=errors,
             dropped=_int(obj, "dropped", path),
+            refused_by=_counts(obj, "refused_by", path),
+            failures_by=_counts(obj, "failures_by", path),
+            placed_per_s=_num(obj, "placed_per_s", path),
+            duration_s=_num(obj, "duration_s", path),
             ttfa=_Pcts.parse(_mapping(obj, "ttfa_ms", path), f"{path}.ttfa_ms"),
             gaps=_int(obj, "gaps", path),
             gap_ms=_num(obj, "gap_ms", path) or 0.0,
             mos=_num(obj, "mos", path),
             r_factor=_num(obj, "r_factor", path),
+            characters_per_s=_num(obj, "characters_per_s", path),
+            speech=_str(obj, "speech", path),
+            target=_str(obj, "target", path),
+            offered=_str(obj, "offered", path),
             lateness=_Pcts.parse(_mapping(obj, "lateness_ms", path), f"{path}.lateness_ms"),
             passed=_bool(obj, "passed", path),
-            refused=_str(obj, "refused", path) or None,
+            withheld=withheld if isinstance(withheld, str) else None,
         )
 
 
@@ -220,10 +311,18 @@ class _Call:
     level: int
     setup_ms: float | None
     error: str | None
+    refused: str | None
+    started_s: float | None
     turns: tuple[_Turn, ...]
     jitter_ms: float | None
     mark_rtt_ms: tuple[float, ...]
     loss_pct: float | None
+
+    @property
+    def outcome(self) -> str:
+        if self.error:
+            return "failed"
+        return "refused" if self.refused else "completed"
 
     @classmethod
     def parse(cls, obj: Mapping[str, Any], path: str) -> _Call:
@@ -241,6 +340,8 @@ class _Call:
             level=_int(obj, "level", path),
             setup_ms=_num(obj, "setup_ms", path),
             error=_str(obj, "error", path) or None,
+            refused=_str(obj, "refused", path) or None,
+            started_s=_num(obj, "started_s", path),
             turns=turns,
             jitter_ms=_num(obj, "jitter_ms", path),
             mark_rtt_ms=tuple(rtts),
@@ -267,10 +368,17 @@ class _Run:
         )
         return cls(_Meta.parse(_mapping(data, "meta", "")), levels, calls)
 
+    @property
+    def mixed_speech(self) -> bool:
+        """Whether the levels measured more than one kind of speech (a capacity search)."""
+        return len({lv.speech for lv in self.levels if lv.speech}) > 1
+
     def level_label(self, index: int) -> str:
         """A call's ``level`` is the index of its level; people read the concurrency."""
         if 0 <= index < len(self.levels):
-            return f"×{self.levels[index].concurrency}"
+            level = self.levels[index]
+            prefix = f"{level.speech} " if self.mixed_speech and level.speech else ""
+            return f"{prefix}{level.label}"
         return f"level {index}"
 
 
@@ -286,8 +394,8 @@ def _fmt(value: float | None, digits: int = 0) -> str:
 
 
 def _verdict(level: _Level) -> str:
-    if level.refused:
-        return "refused"
+    if level.withheld:
+        return "withheld"
     if level.passed is None:
         return _DASH
     return "pass" if level.passed else "FAIL"
@@ -342,13 +450,15 @@ def _svg(fig: Figure, name: str) -> str:
     text = _HREF_ATTR.sub(lambda m: f'href="#{name}-{m.group(1)}"', text)
     text = _URL_REF.sub(lambda m: f"url(#{name}-{m.group(1)})", text)
     # A label for screen readers; the figure's caption in the page says the rest.
-    return text.replace("<svg ", f'<svg role="img" aria-label="{html.escape(name)}" ', 1)
+    # ``name`` is one of this module's plot ids (letters and hyphens): nothing to escape.
+    return text.replace("<svg ", f'<svg role="img" aria-label="{name}" ', 1)
 
 
-def _figure(height: float = 3.4, rows: int = 1) -> tuple[Figure, list[Axes]]:
+def _figure(height: float = 3.4, rows: int = 1,
+            sharex: bool = False) -> tuple[Figure, list[Axes]]:
     """A figure for one plot; call it inside ``rc_context(_RC)``, which styles its axes."""
     fig = Figure(figsize=(9.0, height), layout="constrained")
-    axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0].tolist()
+    axes = fig.subplots(rows, 1, sharex=sharex, squeeze=False)[:, 0].tolist()
     return fig, axes
 
 
@@ -442,50 +552,71 @@ def _plot_ttfa_cdf(run: _Run) -> str:
 
 def _plot_latency_vs_concurrency(run: _Run) -> str:
     with matplotlib.rc_context(_RC):
-        fig, (ax,) = _figure()
+        fig, (ax, ax_calls) = _figure(height=4.6, rows=2)
         points = [lv for lv in run.levels if lv.ttfa.p50 is not None]
         if not points:
             _no_data(ax, "levels with latency figures")
         else:
-            x = [lv.concurrency for lv in points]
-            for key, colour, marker in (("p50", _PALETTE[0], "o"), ("p95", _PALETTE[1], "s"),
-                                        ("p99", _PALETTE[5], "^")):
-                ys = [getattr(lv.ttfa, key) for lv in points]
-                kept = [(cx, y) for cx, y, lv in zip(x, ys, points, strict=True)
-                        if y is not None and not lv.refused]
-                if kept:
-                    ax.plot(*zip(*kept, strict=True), marker=marker, color=colour, label=key)
-                refused = [(cx, y) for cx, y, lv in zip(x, ys, points, strict=True)
-                           if y is not None and lv.refused]
-                if refused:
-                    ax.plot(*zip(*refused, strict=True), ls="none", marker=marker,
-                            mfc="none", color="#999999")
+            styles = {"live": "--"}
+            for speech in sorted({lv.speech for lv in points}, key=str):
+                series = [lv for lv in points if lv.speech == speech]
+                tag = f" {speech}" if run.mixed_speech and speech else ""
+                for key, colour, marker in (("p50", _PALETTE[0], "o"), ("p95", _PALETTE[1], "s"),
+                                            ("p99", _PALETTE[5], "^")):
+                    kept = [(lv.concurrency, getattr(lv.ttfa, key)) for lv in series
+                            if getattr(lv.ttfa, key) is not None and not lv.withheld]
+                    if kept:
+                        ax.plot(*zip(*kept, strict=True), marker=marker, color=colour,
+                                ls=styles.get(speech or "", "-"), label=f"{key}{tag}")
+                    withheld = [(lv.concurrency, getattr(lv.ttfa, key)) for lv in series
+                                if getattr(lv.ttfa, key) is not None and lv.withheld]
+                    if withheld:
+                        ax.plot(*zip(*withheld, strict=True), ls="none", marker=marker,
+                                mfc="none", color="#999999")
             for lv in points:
-                if lv.refused:
+                if lv.withheld:
                     top = max(v for v in (lv.ttfa.p50, lv.ttfa.p95, lv.ttfa.p99) if v is not None)
-                    ax.annotate("refused", xy=(lv.concurrency, top), xytext=(0, 8),
+                    ax.annotate("withheld", xy=(lv.concurrency, top), xytext=(0, 8),
                                 textcoords="offset points", ha="center", color="#a33")
-            ax.set_xticks(sorted(set(x)))
             ax.set_ylim(bottom=0)
-            ax.set_xlabel("concurrent calls")
             ax.set_ylabel("time to first audio (ms)")
-            if ax.get_legend_handles_labels()[1]:  # none when every level was refused
+            if ax.get_legend_handles_labels()[1]:  # none when every level was withheld
                 ax.legend(title="percentile", loc="upper left")
-        ax.set_title("First-audio latency vs load (hollow grey: figures refused)")
+        placed = [lv for lv in run.levels if lv.calls]
+        if not placed:
+            _no_data(ax_calls, "placed calls")
+        else:
+            x = np.arange(len(placed))
+            refused = [100.0 * lv.refused / lv.calls for lv in placed]
+            failed = [100.0 * lv.errors / lv.calls for lv in placed]
+            ax_calls.bar(x - 0.2, refused, width=0.4, color=_PALETTE[1], label="refused (busy)")
+            ax_calls.bar(x + 0.2, failed, width=0.4, color=_PALETTE[5], label="failed")
+            ax_calls.set_xticks(x, [run.level_label(run.levels.index(lv)) for lv in placed])
+            ax_calls.set_ylim(0, 100)
+            ax_calls.set_ylabel("% of placed calls")
+            ax_calls.legend(loc="upper left")
+        ax_calls.set_xlabel("concurrent calls")
+        if points:
+            ax.set_xticks(sorted({lv.concurrency for lv in points}))
+        ax.set_title("First-audio latency vs load (hollow grey: figures withheld); "
+                     "calls refused and failed")
         return _svg(fig, "latency-vs-concurrency")
 
 
 def _level_offsets(run: _Run) -> tuple[dict[int, float], bool]:
-    """Seconds to add to each level's turn stamps so levels follow each other on one axis.
+    """Seconds to add to each level's stamps so levels follow each other on one axis.
 
-    ``at_s`` is meant to count from the start of the run; a simulator that restarts its clock
-    for every level (the stamps of a later level begin before an earlier level's end) gets its
-    levels laid end to end instead, in level order. Returns the offsets and whether any moved.
+    ``at_s`` and ``started_s`` count from the start of the run; a simulator that restarts its
+    clock for every level (the stamps of a later level begin before an earlier level's end) gets
+    its levels laid end to end instead, in level order. Returns the offsets and whether any
+    moved.
     """
     stamps: dict[int, list[float]] = {}
     for call in run.calls:
         for turn in call.turns:
             stamps.setdefault(call.level, []).append(turn.at_s)
+        if call.started_s is not None:
+            stamps.setdefault(call.level, []).append(call.started_s)
     order = sorted(stamps)
     restarted = any(min(stamps[b]) < max(stamps[a]) for a, b in itertools.pairwise(order))
     if not restarted:
@@ -502,13 +633,15 @@ def _plot_gaps_over_time(run: _Run, duration_s: float | None) -> tuple[str, bool
     offsets, restarted = _level_offsets(run)
     turns = [(call.level, turn.at_s + offsets[call.level], turn)
              for call in run.calls for turn in call.turns]
+    dials = [(call.level, call.started_s + offsets.get(call.level, 0.0), call.outcome)
+             for call in run.calls if call.started_s is not None]
     with matplotlib.rc_context(_RC):
-        fig, (ax_ms, ax_n) = _figure(height=4.2, rows=2)
-        if not turns:
-            _no_data(ax_ms, "turns")
-            _no_data(ax_n, "turns")
+        fig, (ax_calls, ax_ms, ax_n) = _figure(height=5.6, rows=3, sharex=True)
+        if not turns and not dials:
+            for ax in (ax_calls, ax_ms, ax_n):
+                _no_data(ax, "turns")
         else:
-            end = max(t for _, t, _ in turns)
+            end = max([t for _, t, _ in turns] + [t for _, t, _ in dials])
             if not restarted:
                 end = max(end, duration_s or 0.0)
             buckets = math.floor(end) + 1
@@ -521,162 +654,76 @@ def _plot_gaps_over_time(run: _Run, duration_s: float | None) -> tuple[str, bool
                 gap_ms[second] += turn.gap_ms
                 gap_count[second] += turn.gaps
             starts = np.arange(buckets)
+            bottom = np.zeros(buckets)
+            for outcome, colour in (("completed", _PALETTE[2]), ("refused", _PALETTE[1]),
+                                    ("failed", _PALETTE[5])):
+                placed = np.zeros(buckets)
+                for _, at, kind in dials:
+                    if kind == outcome:
+                        placed[min(buckets - 1, max(0, int(at)))] += 1
+                if placed.any():
+                    ax_calls.bar(starts, placed, width=1.0, align="edge", bottom=bottom,
+                                 color=colour, label=outcome)
+                    bottom += placed
+            if ax_calls.get_legend_handles_labels()[1]:
+                ax_calls.legend(loc="upper right", title="calls placed, by outcome")
             ax_ms.bar(starts, gap_ms, width=1.0, align="edge", color=_PALETTE[5])
             ax_n.bar(starts, gap_count, width=1.0, align="edge", color=_PALETTE[0])
             spans: dict[int, list[float]] = {}
             for level, at, _ in turns:
                 spans.setdefault(level, []).append(at)
+            for level, at, _ in dials:
+                spans.setdefault(level, []).append(at)
             for n, (level, ats) in enumerate(sorted(spans.items())):
-                for ax in (ax_ms, ax_n):
+                for ax in (ax_calls, ax_ms, ax_n):
                     ax.axvspan(min(ats), max(ats) + 1.0, color=_colour(level),
                                alpha=0.10 if n % 2 == 0 else 0.18, lw=0)
-                ax_ms.annotate(run.level_label(level), xy=(min(ats), 1.0),
-                               xycoords=("data", "axes fraction"), xytext=(3, -3),
-                               textcoords="offset points", va="top", color="#444444")
+                ax_calls.annotate(run.level_label(level), xy=(min(ats), 1.0),
+                                  xycoords=("data", "axes fraction"), xytext=(3, -3),
+                                  textcoords="offset points", va="top", color="#444444")
+            ax_calls.set_ylabel("calls placed / s")
             ax_ms.set_ylabel("gap audio (ms / s)")
             ax_n.set_ylabel("gaps (count / s)")
             clock = "levels end to end" if restarted else "since run start"
             ax_n.set_xlabel(f"time {clock} (s), 1 s buckets; shading: concurrency level")
             ax_n.set_xlim(0, buckets)
-            ax_ms.set_ylim(bottom=0)
-            ax_n.set_ylim(bottom=0)
-        ax_ms.set_title("Audio gaps (underruns heard by callers) over the run")
+            for ax in (ax_calls, ax_ms, ax_n):
+                ax.set_ylim(bottom=0)
+        ax_calls.set_title("Calls placed (completed, refused, failed) and audio gaps "
+                           "(underruns heard by callers) over the run")
         return _svg(fig, "gaps-over-time"), restarted
 
 
 # --- HTML -------------------------------------------------------------------------------------
 
-_CSS = """
-:root { color-scheme: light; }
-* { box-sizing: border-box; }
-body { margin: 0; padding: 24px 32px 48px; font: 14px/1.45 system-ui, -apple-system,
-  "Segoe UI", "DejaVu Sans", sans-serif; color: #1d1d1f; background: #fafafa; }
-main { max-width: 1200px; margin: 0 auto; }
-h1 { font-size: 22px; margin: 0 0 4px; }
-h2 { font-size: 17px; margin: 32px 0 8px; border-bottom: 1px solid #ddd; padding-bottom: 4px; }
-.sub { color: #555; margin: 0 0 16px; }
-nav a { margin-right: 14px; color: #0b57d0; text-decoration: none; }
-.banner { padding: 10px 14px; border-radius: 6px; margin: 8px 0; font-weight: 600;
-  border: 2px solid; }
-.banner.warn { background: #fff4e5; border-color: #e8a33d; color: #7a4100; }
-.banner.fail { background: #fdecec; border-color: #d33; color: #8a1010; }
-.banner.ok { background: #e9f7ef; border-color: #2e9e5b; color: #135c31; }
-.banner small { display: block; font-weight: 400; margin-top: 2px; }
-.scroll { overflow-x: auto; }
-table { border-collapse: collapse; background: #fff; margin: 6px 0 4px; font-size: 12.5px; }
-th, td { border: 1px solid #e1e1e1; padding: 3px 7px; text-align: right; white-space: nowrap; }
-th { background: #f0f2f5; font-weight: 600; white-space: normal; vertical-align: bottom; }
-td.l, th.l { text-align: left; }
-span.wrap { white-space: normal; display: inline-block; max-width: 640px; }
-tr.refused td { color: #8a8a8a; background: #fbf6ee; }
-tr.refused td.verdict { color: #b35c00; font-weight: 700; }
-td.pass { color: #137333; font-weight: 700; }
-td.FAIL { color: #b00020; font-weight: 700; }
-figure { margin: 14px 0; background: #fff; border: 1px solid #e1e1e1; border-radius: 6px;
-  padding: 8px; }
-figure svg { display: block; width: 100%; height: auto; }
-figcaption { color: #555; font-size: 12.5px; margin-top: 4px; }
-.note { color: #555; font-size: 12.5px; }
-footer { margin-top: 36px; color: #666; font-size: 12px; }
-"""
+
+@cache
+def _environment() -> Environment:
+    # Autoescaping on for every template: document strings (targets, causes, SLOs) are data.
+    return Environment(loader=PackageLoader("gateway.loadsim", "templates"), autoescape=True,
+                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+                       keep_trailing_newline=True)
 
 
-def _e(value: object) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _table(headers: Sequence[str], rows: Iterable[tuple[Sequence[str], str]],
-           left: int = 1) -> str:
-    """An HTML table; ``rows`` are (already escaped cells, row class); first ``left`` columns
-    are left-aligned text."""
-    head = "".join(f'<th class="l">{h}</th>' if i < left else f"<th>{h}</th>"
-                   for i, h in enumerate(headers))
-    body = []
-    for cells, css in rows:
-        tds = "".join(f'<td class="l">{c}</td>' if i < left else f"<td>{c}</td>"
-                      for i, c in enumerate(cells))
-        body.append(f'<tr class="{css}">{tds}</tr>' if css else f"<tr>{tds}</tr>")
-    return (f'<div class="scroll"><table><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table></div>")
-
-
-def _banners(run: _Run) -> str:
-    parts = []
-    meta = run.meta
-    if meta.slo:
-        if meta.slo_passed is True:
-            parts.append(f'<div class="banner ok">SLO met: {_e(meta.slo)}</div>')
-        elif meta.slo_passed is False:
-            parts.append(f'<div class="banner fail">SLO missed: {_e(meta.slo)}</div>')
-        else:
-            parts.append(f'<div class="banner warn">SLO not evaluated: {_e(meta.slo)}</div>')
-    for level in run.levels:
-        if level.refused:
-            parts.append(
-                f'<div class="banner warn" role="alert">⚠ Level ×{level.concurrency}: '
-                f"latency figures refused by the simulator (its own timing was too late to "
-                f"trust them)<small>{_e(level.refused)}</small></div>"
-            )
-    if not run.calls:
-        parts.append('<div class="banner warn">This document has no per-call samples: '
-                     "the plots built from calls are empty.</div>")
-    return "\n".join(parts)
-
-
-def _meta_table(run: _Run) -> str:
-    m = run.meta
-    lat = m.lateness
-    turns = sum(len(c.turns) for c in run.calls)
-    rows = [
-        ("Target", _e(m.target)),
-        ("Transport", _e(m.transport)),
-        ("Scenario", _e(m.scenario)),
-        ("Started", _e(m.started or _DASH)),
-        ("Duration", f"{_fmt(m.duration_s, 1)} s"),
-        ("Worker processes", _fmt(m.workers)),
-        ("Calls / turns", f"{len(run.calls):,} / {turns:,}"),
-        ("Simulator's own lateness (ms)",
-         f"p50 {_fmt(lat.p50, 2)} · p99 {_fmt(lat.p99, 2)} · max {_fmt(lat.max, 2)}"),
-        ("SLO", _e(m.slo) if m.slo else _DASH),
-        ("SLO verdict",
-         _DASH if m.slo_passed is None else ("met" if m.slo_passed else "missed")),
-    ]
-    return _table(["Run", ""], [((_e(k), v), "") for k, v in rows], left=2)
-
-
-def _levels_table(run: _Run) -> str:
-    headers = ["Concurrency", "Calls", "Errors", "Dropped", "Timeouts", "First audio p50 (ms)",
-               "p95 (ms)", "p99 (ms)", "Gaps", "Gap audio (ms)", "MOS", "R",
-               "Sim. lateness p99 (ms)", "Verdict"]
+def _levels_rows(run: _Run) -> list[dict[str, Any]]:
     timeouts: Counter[int] = Counter()
     for call in run.calls:
         timeouts[call.level] += sum(t.timed_out for t in call.turns)
     rows = []
     for index, lv in enumerate(run.levels):
-        verdict = _verdict(lv)
-        cells = [
-            f"×{lv.concurrency}", f"{lv.calls:,}", f"{lv.errors:,}", f"{lv.dropped:,}",
-            f"{timeouts[index]:,}", _fmt(lv.ttfa.p50), _fmt(lv.ttfa.p95), _fmt(lv.ttfa.p99),
-            f"{lv.gaps:,}", _fmt(lv.gap_ms), _fmt(lv.mos, 2), _fmt(lv.r_factor, 1),
-            _fmt(lv.lateness.p99, 2),
-        ]
-        css = "refused" if lv.refused else ""
-        verdict_cell = (f'<span title="{_e(lv.refused)}">refused</span>' if lv.refused
-                        else _e(verdict))
-        rows.append((cells, css, verdict, verdict_cell))
-    head = "".join(f'<th class="l">{h}</th>' if i == 0 else f"<th>{h}</th>"
-                   for i, h in enumerate(headers))
-    body = []
-    for cells, css, verdict, verdict_cell in rows:
-        tds = "".join(f'<td class="l">{c}</td>' if i == 0 else f"<td>{c}</td>"
-                      for i, c in enumerate(cells))
-        tds += f'<td class="verdict {_e(verdict)}">{verdict_cell}</td>'
-        body.append(f'<tr class="{css}">{tds}</tr>')
-    return (f'<div class="scroll"><table><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table></div>")
+        rows.append({
+            "cells": [run.level_label(index), f"{lv.calls:,}", f"{lv.completed:,}",
+                      f"{lv.refused:,}", f"{lv.errors:,}", _fmt(lv.placed_per_s, 2),
+                      f"{timeouts[index]:,}", _fmt(lv.ttfa.p50), _fmt(lv.ttfa.p95),
+                      _fmt(lv.ttfa.p99), f"{lv.gaps:,}", _fmt(lv.gap_ms), _fmt(lv.mos, 2),
+                      _fmt(lv.r_factor, 1), _fmt(lv.characters_per_s, 1),
+                      _fmt(lv.lateness.p99, 2)],
+            "verdict": _verdict(lv), "withheld": lv.withheld,
+        })
+    return rows
 
 
-def _media_table(run: _Run) -> str:
+def _media_rows(run: _Run) -> list[list[str]]:
     """Per level, what only the calls carry: setup, jitter, loss, mark round trip, barge-in."""
     grouped: dict[int, list[_Call]] = {}
     for call in run.calls:
@@ -688,121 +735,109 @@ def _media_table(run: _Run) -> str:
         loss = [c.loss_pct for c in calls if c.loss_pct is not None]
         rtt = [x for c in calls for x in c.mark_rtt_ms]
         barge = [t.barge_in_ms for c in calls for t in c.turns if t.barge_in_ms is not None]
-        rows.append(([
-            _e(run.level_label(index)), f"{len(calls):,}",
+        rows.append([
+            run.level_label(index), f"{len(calls):,}",
             _fmt(_percentile(setup, 50)), _fmt(_percentile(setup, 95)),
             _fmt(_percentile(jitter, 50), 1), _fmt(_percentile(jitter, 95), 1),
             _fmt(float(np.mean(loss)) if loss else None, 2),
             _fmt(_percentile(rtt, 50)), _fmt(_percentile(rtt, 95)),
             _fmt(_percentile(barge, 50)), _fmt(_percentile(barge, 95)),
-        ], ""))
-    if not rows:
-        return '<p class="note">No calls in this document.</p>'
-    return _table(["Concurrency", "Calls", "Setup p50 (ms)", "Setup p95 (ms)", "Jitter p50 (ms)",
-                   "Jitter p95 (ms)", "Loss mean (%)", "Mark RTT p50 (ms)", "Mark RTT p95 (ms)",
-                   "Barge-in p50 (ms)", "Barge-in p95 (ms)"], rows)
+        ])
+    return rows
 
 
-def _errors_table(run: _Run) -> str:
-    counts: Counter[str] = Counter()
-    levels: dict[str, set[int]] = {}
+def _cause_rows(run: _Run) -> list[dict[str, str]]:
+    """Calls that did not complete, grouped by outcome and cause, most frequent first."""
+    counts: Counter[tuple[str, str]] = Counter()
+    levels: dict[tuple[str, str], set[int]] = {}
     for call in run.calls:
-        if call.error:
-            counts[call.error] += 1
-            levels.setdefault(call.error, set()).add(call.level)
-    if not counts:
-        return '<p class="note">No call ended in an error.</p>'
-    rows = []
-    for error, count in counts.most_common():
-        where = ", ".join(run.level_label(i) for i in sorted(levels[error]))
-        rows.append(([f"{count:,}", _e(where), f'<span class="wrap">{_e(error)}</span>'], ""))
-    return _table(["Calls", "Levels", "Error"], rows, left=3)
+        cause = call.error or call.refused
+        if cause:
+            key = (call.outcome, cause)
+            counts[key] += 1
+            levels.setdefault(key, set()).add(call.level)
+    if not counts and any(lv.refused_by or lv.failures_by for lv in run.levels):
+        # A document without per-call samples still has the levels' grouped counts.
+        for index, lv in enumerate(run.levels):
+            for outcome, grouped in (("refused", lv.refused_by), ("failed", lv.failures_by)):
+                for cause, n in grouped:
+                    counts[(outcome, cause)] += n
+                    levels.setdefault((outcome, cause), set()).add(index)
+    return [{"calls": f"{count:,}", "outcome": outcome,
+             "levels": ", ".join(run.level_label(i) for i in sorted(levels[(outcome, cause)])),
+             "cause": cause}
+            for (outcome, cause), count in counts.most_common()]
 
 
-def _slowest_table(run: _Run, limit: int = 10) -> str:
+def _slowest_rows(run: _Run, limit: int = 10) -> list[list[str]]:
     turns = [(t.first_audio_ms, call, t) for call in run.calls for t in call.turns
              if t.first_audio_ms is not None]
-    if not turns:
-        return '<p class="note">No first-audio measurements.</p>'
     turns.sort(key=lambda item: item[0], reverse=True)
-    rows = [([_e(call.id), _e(run.level_label(call.level)), _e(t.kind), _fmt(t.at_s, 2),
-              _fmt(first), f"{t.gaps:,}", _fmt(t.gap_ms)], "")
-            for first, call, t in turns[:limit]]
-    return _table(["Call", "Level", "Turn", "At (s)", "First audio (ms)", "Gaps",
-                   "Gap audio (ms)"], rows, left=3)
+    return [[call.id, run.level_label(call.level), t.kind, _fmt(t.at_s, 2), _fmt(first),
+             f"{t.gaps:,}", _fmt(t.gap_ms)] for first, call, t in turns[:limit]]
+
+
+def _capacity_rows(run: _Run) -> list[list[str]]:
+    return [[c.speech, c.scenario or _DASH, c.target or _DASH,
+             _DASH if c.concurrency is None else f"{c.concurrency:,}",
+             _fmt(c.characters_per_s, 1),
+             _DASH if c.hourly_cost is None else f"${c.hourly_cost:,.2f}",
+             _DASH if c.cost_per_million is None else f"${c.cost_per_million:,.2f}"]
+            for c in run.meta.capacity]
 
 
 def build_html(data: Mapping[str, Any]) -> str:
     """The report for one result document, as a complete self-contained HTML page."""
     run = _Run.parse(data)
     m = run.meta
-    title = f"Load test: {m.scenario} → {m.target} ({m.transport})"
     gaps_svg, restarted = _plot_gaps_over_time(run, m.duration_s)
     figures = [
         ("ttfa-histogram", _plot_ttfa_histogram(run),
          "Every turn's time from the caller's action (answer, key, speech) to the first audio "
-         "byte back, stacked by concurrency level."),
+         "of the utterance that answered it, stacked by concurrency level."),
         ("ttfa-cdf", _plot_ttfa_cdf(run),
          "Fraction of turns that heard audio within x ms; dashed and dotted red lines mark "
          "p50 and p95 of all turns (numpy's linear percentile over the raw turns)."),
         ("latency-vs-concurrency", _plot_latency_vs_concurrency(run),
-         "Per-level first-audio percentiles as the simulator aggregated them."),
+         "Per-level first-audio percentiles as the simulator aggregated them (top), and the "
+         "share of placed calls the gateway refused (busy) or that failed (bottom)."),
         ("gaps-over-time", gaps_svg,
-         "Silence inserted because audio arrived late, summed per second of the run (top) and "
-         "counted (bottom). A turn's gaps are placed in the second the turn started."
+         "Calls placed per second by outcome (top); silence inserted because audio arrived "
+         "late, summed per second of the run (middle) and counted (bottom). A turn's gaps are "
+         "placed in the second the turn started."
          + (" Each level's clock started at 0, so the levels are drawn one after another."
             if restarted else "")),
     ]
-    figure_html = "\n".join(
-        f'<figure id="fig-{name}">{svg}<figcaption>{_e(caption)}</figcaption></figure>'
-        for name, svg, caption in figures
+    lat = m.lateness
+    turns = sum(len(c.turns) for c in run.calls)
+    placed = sum(lv.calls for lv in run.levels) or len(run.calls)
+    refused = sum(lv.refused for lv in run.levels)
+    failed = sum(lv.errors for lv in run.levels)
+    meta_rows = [
+        ("Target", m.target),
+        ("Transport", m.transport),
+        ("Scenario", m.scenario),
+        ("Started", m.started or _DASH),
+        ("Duration", f"{_fmt(m.duration_s, 1)} s"),
+        ("Worker processes", _fmt(m.workers)),
+        ("Calls placed / turns", f"{placed:,} / {turns:,}"),
+        ("Completed / refused / failed",
+         f"{placed - refused - failed:,} / {refused:,} / {failed:,}"),
+        ("Simulator's own lateness (ms)",
+         f"p50 {_fmt(lat.p50, 2)} · p99 {_fmt(lat.p99, 2)} · max {_fmt(lat.max, 2)}"),
+        ("SLO", m.slo or _DASH),
+        ("SLO verdict", _DASH if m.slo_passed is None else ("met" if m.slo_passed else "missed")),
+    ]
+    page = _environment().get_template("report.html.j2").render(
+        title=f"Load test: {m.scenario} → {m.target} ({m.transport})",
+        meta=m, run=run, meta_rows=meta_rows,
+        withheld=[(lv.label, lv.withheld) for lv in run.levels if lv.withheld],
+        levels=_levels_rows(run), media=_media_rows(run), causes=_cause_rows(run),
+        slowest=_slowest_rows(run), capacity=_capacity_rows(run),
+        figures=[(name, Markup(svg), caption) for name, svg, caption in figures],
+        duration=_fmt(m.duration_s, 1), calls=f"{len(run.calls):,}",
     )
-    nav = " ".join(f'<a href="#{a}">{t}</a>' for a, t in (
-        ("summary", "Summary"), ("levels", "Levels"), ("plots", "Plots"),
-        ("calls", "Calls"), ("notes", "Notes")))
-    started = f"started {_e(m.started)} · " if m.started else ""
-    return f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{_e(title)}</title>
-<style>{_CSS}</style>
-</head>
-<body>
-<main>
-<h1>{_e(title)}</h1>
-<p class="sub">{started}{_fmt(m.duration_s, 1)} s · {len(run.levels)} level(s) ·
-{len(run.calls):,} calls</p>
-<nav>{nav}</nav>
-{_banners(run)}
-<h2 id="summary">Summary</h2>
-{_meta_table(run)}
-<h2 id="levels">Per level</h2>
-{_levels_table(run)}
-<p class="note">Rows greyed out are levels whose latency figures the simulator refused: its own
-scheduling lateness was too large a share of what it measured.</p>
-<h3>Call setup and media, from the calls</h3>
-{_media_table(run)}
-<h2 id="plots">Plots</h2>
-{figure_html}
-<h2 id="calls">Calls</h2>
-<h3>Errors</h3>
-{_errors_table(run)}
-<h3>Slowest turns</h3>
-{_slowest_table(run)}
-<h2 id="notes">Notes</h2>
-<p class="note">MOS and R are the simulator's ITU-T G.107 E-model estimates
-(gateway.loadsim.emodel) for G.711 with packet-loss concealment (Ie = 0, Bpl = 25.1 from ITU-T
-G.113 Appendix I) from each call's measured delay and loss, every other parameter at its G.107
-default (unimpaired: R = 93.2, MOS 4.41). They rate what a listener would hear, not what was
-said. First-audio latency is measured from the caller's action to the first audio byte back.
-</p>
-<footer>gateway loadsim report · self-contained: no scripts, no external resources.</footer>
-</main>
-</body>
-</html>
-"""
+    return page
 
 
 def render_report(data: Mapping[str, Any], path: Path) -> Path:
@@ -817,37 +852,85 @@ def render_report(data: Mapping[str, Any], path: Path) -> Path:
     return path
 
 
-def render_summary_table(data: Mapping[str, Any]) -> Table:
-    """The end-of-run table the CLI prints: one row per concurrency level."""
+# --- terminal -----------------------------------------------------------------------------------
+
+_STYLES = {"pass": "bold green", "FAIL": "bold red", "withheld": "bold yellow"}
+
+
+def _table(title: str) -> Table:
+    # No vertical rules and collapsed padding: ten columns in 77 characters.
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                 pad_edge=False, collapse_padding=True)
+
+
+def render_summary_table(data: Mapping[str, Any]) -> RenderableType:
+    """The end-of-run summary the CLI prints: per measured speech a table with a row per
+    level, then a line per level (placed, completed, refused, failed, calls/s). Fits 80
+    columns."""
     run = _Run.parse(data)
     m = run.meta
-    table = Table(title=f"{m.scenario} → {m.target} ({m.transport})", title_justify="left")
-    for header in ("concurrency", "calls", "errors", "dropped"):
-        table.add_column(header, justify="right")
-    for header in ("ttfa p50 ms", "p95 ms", "p99 ms", "gaps", "gap ms", "MOS", "R",
-                   "lateness p99 ms"):
-        table.add_column(header, justify="right")
-    table.add_column("result", justify="left")
-    styles = {"pass": "bold green", "FAIL": "bold red", "refused": "bold yellow"}
-    for lv in run.levels:
-        verdict = _verdict(lv)
-        table.add_row(
-            f"{lv.concurrency}", f"{lv.calls}", f"{lv.errors}", f"{lv.dropped}",
-            _fmt(lv.ttfa.p50), _fmt(lv.ttfa.p95), _fmt(lv.ttfa.p99), f"{lv.gaps}",
-            _fmt(lv.gap_ms), _fmt(lv.mos, 2), _fmt(lv.r_factor, 1), _fmt(lv.lateness.p99, 2),
-            f"[{styles[verdict]}]{verdict}[/]" if verdict in styles else verdict,
-            style="dim" if lv.refused else None,
-        )
+    groups: dict[tuple[str | None, str | None], list[int]] = {}
+    for index, lv in enumerate(run.levels):
+        groups.setdefault((lv.speech if run.mixed_speech else None, lv.target), []).append(index)
+    parts: list[RenderableType] = []
+    for (speech, target), indexes in groups.items() or {(None, None): []}.items():
+        scenario = "live" if speech == "live" else m.scenario
+        title = f"{scenario} → {target or m.target} ({m.transport})"
+        if speech:
+            title = f"{speech} speech: {title}"
+        table = _table(title)
+        for header in ("level", "calls", "refused", "failed", "p50 ms", "p95 ms", "p99 ms",
+                       "gaps", "MOS"):
+            table.add_column(header, justify="right", no_wrap=True)
+        table.add_column("result", justify="left", no_wrap=True)
+        for index in indexes:
+            lv = run.levels[index]
+            verdict = _verdict(lv)
+            table.add_row(
+                lv.label, f"{lv.calls:,}", f"{lv.refused:,}", f"{lv.errors:,}",
+                _fmt(lv.ttfa.p50), _fmt(lv.ttfa.p95), _fmt(lv.ttfa.p99), f"{lv.gaps:,}",
+                _fmt(lv.mos, 2),
+                f"[{_STYLES[verdict]}]{verdict}[/]" if verdict in _STYLES else verdict,
+                style="dim" if lv.withheld else None,
+            )
+        parts.append(table)
+        for index in indexes:
+            lv = run.levels[index]
+            line = (f"{lv.label}: {lv.calls:,} calls placed "
+                    f"({_fmt(lv.placed_per_s, 2)}/s), {lv.completed:,} completed, "
+                    f"{lv.refused:,} refused, {lv.errors:,} failed")
+            parts.append(Text(line))
+            if lv.characters_per_s:
+                parts.append(Text(f"{lv.label}: {lv.characters_per_s:,.1f} characters/s "
+                                  "synthesised (live sentences heard whole)"))
     captions = []
     if m.slo:
         state = {True: "met", False: "missed", None: "not evaluated"}[m.slo_passed]
         captions.append(f"SLO {m.slo}: {state}")
-    refused = [lv.concurrency for lv in run.levels if lv.refused]
-    if refused:
-        captions.append("latency figures refused at concurrency "
-                        + ", ".join(str(c) for c in refused)
+    withheld = [lv for lv in run.levels if lv.withheld]
+    if withheld:
+        captions.append("latency figures withheld at "
+                        + ", ".join(lv.label for lv in withheld)
                         + " (simulator lateness too large; add --workers)")
-    if captions:
-        table.caption = "; ".join(captions)
-        table.caption_justify = "left"
+    for caption in captions:
+        parts.append(Text(caption))
+    return Group(*parts)
+
+
+def render_breakdown(data: Mapping[str, Any]) -> Table | None:
+    """Calls that did not complete, grouped by outcome (refused, failed) and cause; None when
+    every call completed. The cause column wraps within 80 columns."""
+    run = _Run.parse(data)
+    rows = _cause_rows(run)
+    if not rows:
+        return None
+    table = _table("calls not completed, by cause")
+    table.add_column("calls", justify="right", no_wrap=True)
+    table.add_column("outcome", no_wrap=True)
+    table.add_column("level", no_wrap=True)
+    table.add_column("cause", overflow="fold", ratio=1)
+    for row in rows:
+        style = "yellow" if row["outcome"] == "refused" else "red"
+        table.add_row(row["calls"], f"[{style}]{row['outcome']}[/]", row["levels"],
+                      Text(row["cause"]))
     return table

@@ -1,8 +1,16 @@
-"""A simulated phone for load tests: a minimal SIP UAC plus an RTP endpoint over UDP (asyncio).
+"""A simulated phone for load tests: a SIP UAC and an RTP endpoint over UDP, on the gateway's
+own wire formats.
 
-This is the load simulator's *own* client stack, deliberately independent of the gateway's
-server side (``gateway.sip``): a parsing bug there cannot hide itself by being shared here. The
-only gateway module used is :mod:`gateway.audio.g711` (the mu-law table).
+One SIP stack: every message is parsed and built by :mod:`gateway.sip.message`, the SDP answer
+is read by :func:`gateway.sip.sdp.parse_sdp` and a re-INVITE answered by
+:func:`gateway.sip.sdp.negotiate`, RTP packets are parsed and built by :mod:`gateway.sip.rtp`
+(:class:`~gateway.sip.rtp.RtpPacket`, :class:`~gateway.sip.rtp.RtpSender`,
+:class:`~gateway.sip.rtp.TelephoneEvent`), reception statistics come from
+:class:`~gateway.sip.rtp.RtpReceiverStats`, and send deadlines from
+:class:`gateway.audio.pacer.Pacer`. Those wire formats are checked independently by real peers
+in the test suite (baresip, SIPp and Kamailio), not by a second implementation here. What is
+the phone's own: the UAC side of the transactions, answering in-dialog requests like a desk
+phone, and the receive-side analysis the load simulator reports.
 
 What a :class:`SipCaller` does, like a desk phone calling an IVR:
 
@@ -21,15 +29,15 @@ What a :class:`SipCaller` does, like a desk phone calling an IVR:
   error response and is recorded in ``errors``. Retransmitted requests get the cached response.
 - **RTP out** (RFC 3550/3551): one 20 ms PCMU packet per deadline of a monotonic schedule
   (STYLE.md 5; never ``sleep(0.02)``), random SSRC, sequence and timestamp bases, marker bit on
-  the first packet. Silence (0xFF) unless frames are supplied. Each packet's scheduling lateness
-  (actual send time minus its deadline) goes to :attr:`SipCaller.pacing` (:class:`PacingStats`).
+  the first packet (:class:`~gateway.sip.rtp.RtpSender`). Silence (0xFF) unless frames are
+  supplied. Each packet's scheduling lateness goes to :attr:`SipCaller.pacing`.
 - **DTMF** (RFC 4733): :meth:`SipCaller.send_dtmf` sends the event on PT 101 in place of audio,
   as phones do: a start packet with the marker bit, updates every 20 ms with a growing duration,
   then three end packets with the E bit, all carrying the event's start timestamp.
 - **RTP in**: every datagram on the RTP socket is timestamped on arrival and logged by
-  :class:`RtpReceiveLog` (source, sequence, timestamp, payload type and size, silent or not),
-  which computes RFC 3550 appendix A.8 interarrival jitter and A.1 loss, finds the first speech
-  and the end of speech after a given time, and runs a playout model that counts audible gaps.
+  :class:`RtpReceiveLog`, which keeps RFC 3550 statistics per source, finds speech, the end of
+  speech and the start of a new talkspurt after a given time, and runs a playout model that
+  counts audible gaps.
 
 Measurement definitions (the simulator reports these):
 
@@ -41,28 +49,29 @@ Measurement definitions (the simulator reports these):
   that is followed only by silent audio packets for at least ``STOP_HOLD_S`` (100 ms); also, when
   audio packets stop arriving altogether for 100 ms after speech, the time the next packet was
   due. A pause inside speech longer than 100 ms counts as a stop too; choose ``t`` accordingly.
+- *cut* (a new talkspurt, RFC 3551 section 4.1): an audio packet with the marker bit, or one
+  whose timestamp does not follow its predecessor's (a jump), or the first of a new SSRC. The
+  gateway sends RTP continuously (silence between utterances) and sets the marker bit on the
+  first packet after a barge-in flushed its queue (``RtpSender.start_talkspurt`` in
+  ``gateway/sip/endpoint.py``); its timestamps never jump.
+- *first audio of the answer to a turn at t* (:meth:`RtpReceiveLog.utterance_after`): when no
+  speech arrived in the 100 ms before ``t``, the first speech packet after ``t``. When speech
+  was still arriving (a key pressed mid-prompt), the packets that follow may still be the
+  interrupted prompt's: the answer is the first speech packet at or after the first cut after
+  ``t``; without a cut, the first speech packet after the interrupted speech stopped.
 - *playout gaps*: see :class:`PlayoutStats` (a fixed 40 ms jitter buffer, ``JITTER_BUFFER_S``).
 
-Design (STYLE.md 1-3): wire formats are value objects (:class:`SipMessage`,
-:class:`SessionDescription`, :class:`RtpPacket`), the receive-side analysis
-(:class:`RtpReceiveLog`) and the pacing measurement (:class:`FramePacer` with an injected clock
-and sleep) are sans-I/O, and :class:`SipCaller` is the I/O shell. SIP timers run on the event
-loop's clock; every measurement uses the caller's injected clock (``time.monotonic`` by
-default, which is also what asyncio's loop uses, so the two agree).
+SIP timers run on the event loop's clock; every measurement uses the caller's injected clock
+(``time.monotonic`` by default, which is also what asyncio's loop uses, so the two agree).
 
-Exceptions (one tree, STYLE.md 10), all :class:`LoadSimError`:
-
-- :class:`SipParseError`: a datagram on the SIP socket is not a SIP message: recorded in
-  ``errors`` and dropped (there is nothing to answer).
-- :class:`SdpError`: the SDP answer has no usable PCMU stream: the 2xx is ACKed, the call is hung
-  up with BYE (RFC 3261 13.2.2.4) and :meth:`SipCaller.call` raises it; in a re-INVITE: 488.
-- :class:`RtpParseError`: a datagram on the RTP socket is not RTP: counted, recorded, dropped.
-- :class:`CallFailed`: a final response >= 300 to the INVITE (``.status``, ``.reason``).
-- :class:`CallTimeout`: no final response within ``timeout_s``.
-- :class:`LoadSimError` itself: misuse (a second ``call()``, DTMF without a call).
-
-Datagram handlers never raise: every unexpected message or internal failure becomes a string in
-:attr:`SipCaller.errors`.
+Exceptions: :class:`LoadSimError` (a :class:`~gateway.errors.GatewayError`) for misuse (a second
+``call()``, DTMF without a call), with :class:`CallFailed` (a final response >= 300 to the
+INVITE: ``.status``, ``.reason``) and :class:`CallTimeout` (no final response in time) below it.
+What the network sends is never raised out of a datagram handler: an unparseable SIP datagram
+(:class:`~gateway.sip.message.SipParseError`) or RTP packet (:class:`~gateway.sip.rtp.RtpError`)
+is recorded in ``errors`` and dropped; an unusable SDP answer
+(:class:`~gateway.sip.sdp.SdpError`) gets the 2xx ACKed, the call hung up with BYE
+(RFC 3261 13.2.2.4) and is raised by :meth:`SipCaller.call`; in a re-INVITE it gets a 488.
 """
 
 from __future__ import annotations
@@ -71,27 +80,55 @@ import asyncio
 import contextlib
 import itertools
 import math
+import random
 import secrets
-import struct
 import time
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Final
 
 from gateway.audio.g711 import ULAW_SILENCE, ulaw_decode
+from gateway.audio.pacer import Pacer
+from gateway.errors import GatewayError
+from gateway.sip.message import (
+    SipKeepalive,
+    SipParseError,
+    SipRequest,
+    SipResponse,
+    build_request,
+    new_branch,
+    new_call_id,
+    new_tag,
+    parse_message,
+    parse_name_addr,
+    response_to,
+    stamp_via,
+)
+from gateway.sip.rtp import (
+    DIGIT_TO_EVENT,
+    RtpError,
+    RtpPacket,
+    RtpReceiverStats,
+    RtpSender,
+    TelephoneEvent,
+    seq_add,
+    seq_diff,
+    ts_add,
+    ts_diff,
+)
+from gateway.sip.sdp import Answer, SdpError, negotiate, parse_sdp
 
 __all__ = [
     "CLOCK_RATE",
-    "DTMF_EVENTS",
     "FRAME_S",
     "FRAME_SAMPLES",
     "JITTER_BUFFER_S",
     "PT_PCMU",
     "PT_TELEPHONE_EVENT",
+    "REFUSAL_STATUSES",
     "SILENCE_THRESHOLD",
     "STOP_HOLD_S",
     "T1",
@@ -100,23 +137,15 @@ __all__ = [
     "CallTimeout",
     "FramePacer",
     "LoadSimError",
+    "MediaAnswer",
     "PacingStats",
     "PlayoutStats",
-    "RtpPacket",
-    "RtpParseError",
     "RtpReceiveLog",
-    "SdpError",
-    "SessionDescription",
     "SipCaller",
-    "SipMessage",
-    "SipParseError",
     "StreamStats",
-    "build_sdp",
     "is_silent",
-    "seq_add",
-    "seq_diff",
-    "ts_add",
-    "ts_diff",
+    "offer_sdp",
+    "read_answer",
 ]
 
 T1: Final[float] = 0.5
@@ -136,25 +165,22 @@ JITTER_BUFFER_S: Final[float] = 0.040
 """The playout model's fixed jitter buffer: playback starts this long after the first packet."""
 STOP_HOLD_S: Final[float] = 0.100
 """How long received audio must stay silent (or absent) to count as "the stream stopped"."""
-DTMF_EVENTS: Final[Mapping[str, int]] = MappingProxyType(
-    {digit: code for code, digit in enumerate("0123456789*#ABCD")}
-)
-"""RFC 4733 section 3.2 event codes of the DTMF keys."""
+REFUSAL_STATUSES: Final = frozenset({486, 503, 600})
+"""Final responses that mean "not now" (busy here, unavailable or draining, busy everywhere):
+the load simulator counts them as refused calls, not failures (RFC 3261 21.4.24, 21.5.4,
+21.6.1)."""
 
-SEQ_MOD: Final[int] = 1 << 16
-TS_MOD: Final[int] = 1 << 32
-_MAX_DROPOUT: Final[int] = 3000  # RFC 3550 A.1: larger forward jumps restart the sequence count
-_MAX_MISORDER: Final[int] = 100
 _DTMF_VOLUME: Final[int] = 10  # -10 dBm0, the level RFC 4733 section 2.3.4 uses in examples
 _DTMF_END_PACKETS: Final[int] = 3  # RFC 4733 section 2.5.1.4: the final packet is sent 3 times
 _MAX_ERRORS: Final[int] = 1000
 _EPSILON_S: Final[float] = 1e-6  # arrival-time comparisons ignore float rounding below this
 _REPLY_CACHE: Final[int] = 64
 _ALLOW: Final[str] = "INVITE, ACK, BYE, CANCEL, OPTIONS, REFER"
-_USER_AGENT: Final[str] = "gateway-loadsim/0.1"
+_USER_AGENT: Final[str] = "gateway-loadsim/0.2"
 _SILENT_FRAME: Final[bytes] = bytes([ULAW_SILENCE]) * FRAME_SAMPLES
-_RTP_HEADER: Final = struct.Struct("!BBHII")
-_TELEPHONE_EVENT: Final = struct.Struct("!BBH")
+#: A phone's sound card keeps producing samples while the process stalls: the send schedule
+#: never re-anchors, late deadlines go out at once (Pacer's max_lag_frames, effectively off).
+_NEVER_REANCHOR: Final[int] = 1 << 30
 
 # Packet kinds in RtpReceiveLog.kinds (a bytearray, so bytearray.find scans them in C).
 _SILENT: Final[int] = 0
@@ -166,20 +192,8 @@ _OTHER: Final[int] = 3
 # --- errors -----------------------------------------------------------------------------------
 
 
-class LoadSimError(Exception):
-    """Root of the load simulator's errors; raised directly for misuse."""
-
-
-class SipParseError(LoadSimError):
-    """A datagram is not a well-formed SIP message."""
-
-
-class SdpError(LoadSimError):
-    """An SDP body is malformed or has no usable audio stream."""
-
-
-class RtpParseError(LoadSimError):
-    """A datagram is not a well-formed RTP packet."""
+class LoadSimError(GatewayError):
+    """Root of the simulated phone's own errors; raised directly for misuse."""
 
 
 class CallFailed(LoadSimError):
@@ -190,34 +204,14 @@ class CallFailed(LoadSimError):
         self.status = status
         self.reason = reason
 
+    @property
+    def refused(self) -> bool:
+        """Whether the response says "busy / not now" rather than "broken"."""
+        return self.status in REFUSAL_STATUSES
+
 
 class CallTimeout(LoadSimError):
     """The INVITE got no final response in time."""
-
-
-# --- wrap-around arithmetic (STYLE.md 4) -------------------------------------------------------
-
-
-def seq_add(seq: int, n: int) -> int:
-    """16-bit RTP sequence number ``seq + n``, wrapped."""
-    return (seq + n) % SEQ_MOD
-
-
-def seq_diff(a: int, b: int) -> int:
-    """Signed distance ``a - b`` between two 16-bit sequence numbers, in [-32768, 32767]."""
-    d = (a - b) % SEQ_MOD
-    return d - SEQ_MOD if d >= SEQ_MOD // 2 else d
-
-
-def ts_add(ts: int, n: int) -> int:
-    """32-bit RTP timestamp ``ts + n``, wrapped."""
-    return (ts + n) % TS_MOD
-
-
-def ts_diff(a: int, b: int) -> int:
-    """Signed distance ``a - b`` between two 32-bit RTP timestamps."""
-    d = (a - b) % TS_MOD
-    return d - TS_MOD if d >= TS_MOD // 2 else d
 
 
 # --- silence ----------------------------------------------------------------------------------
@@ -241,216 +235,10 @@ def is_silent(payload: bytes, threshold: int = SILENCE_THRESHOLD) -> bool:
     return not payload.translate(None, _silent_codes(threshold))
 
 
-# --- SIP messages -----------------------------------------------------------------------------
-
-# RFC 3261 section 7.3.3 compact forms, plus RFC 3515 (r, Refer-To) and RFC 6665 (o, Event).
-_COMPACT: Final[Mapping[str, str]] = MappingProxyType(
-    {
-        "i": "call-id",
-        "m": "contact",
-        "e": "content-encoding",
-        "l": "content-length",
-        "c": "content-type",
-        "f": "from",
-        "s": "subject",
-        "k": "supported",
-        "t": "to",
-        "v": "via",
-        "r": "refer-to",
-        "o": "event",
-        "b": "referred-by",
-        "u": "allow-events",
-    }
-)
-_REQUIRED: Final = ("via", "from", "to", "call-id", "cseq")
+# --- SDP: our offer, and what we read from the answer ----------------------------------------
 
 
-def _digits(text: str) -> bool:
-    """ASCII digits only: ``str.isdigit`` also accepts characters ``int()`` rejects (``'²'``)."""
-    return text.isascii() and text.isdigit()
-
-
-def _canonical(name: str) -> str:
-    lowered = name.lower()
-    return _COMPACT.get(lowered, lowered)
-
-
-def _split_commas(value: str) -> list[str]:
-    """Split a header value at commas outside quotes and ``<...>`` (RFC 3261 section 7.3.1)."""
-    parts: list[str] = []
-    depth = 0
-    quoted = False
-    start = 0
-    for i, ch in enumerate(value):
-        if ch == '"':
-            quoted = not quoted
-        elif not quoted and ch == "<":
-            depth += 1
-        elif not quoted and ch == ">":
-            depth -= 1
-        elif ch == "," and not quoted and depth == 0:
-            parts.append(value[start:i].strip())
-            start = i + 1
-    parts.append(value[start:].strip())
-    return [p for p in parts if p]
-
-
-@dataclass
-class SipMessage:
-    """One SIP request or response (RFC 3261 section 7): a value object.
-
-    Requests have ``method`` and ``uri``; responses have ``status`` and ``reason``. Header names
-    keep their spelling; lookups are case-insensitive and understand compact forms.
-    """
-
-    method: str = ""
-    uri: str = ""
-    status: int = 0
-    reason: str = ""
-    headers: list[tuple[str, str]] = field(default_factory=list)
-    body: bytes = b""
-
-    @property
-    def is_request(self) -> bool:
-        return bool(self.method)
-
-    @classmethod
-    def parse(cls, data: bytes) -> SipMessage:
-        """Parse one UDP datagram; raises :class:`SipParseError` naming what is wrong."""
-        head, sep, body = data.partition(b"\r\n\r\n")
-        if not sep:
-            head, sep, body = data.partition(b"\n\n")
-            if not sep:
-                raise SipParseError("no empty line ends the header section")
-        try:
-            text = head.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise SipParseError(f"header section is not UTF-8: {exc}") from exc
-        start, *lines = text.replace("\r\n", "\n").split("\n")
-        headers: list[tuple[str, str]] = []
-        for line in lines:
-            if not line:
-                continue
-            if line[0] in " \t":  # folded continuation, RFC 3261 section 7.3.1
-                if not headers:
-                    raise SipParseError("continuation line before any header")
-                name, value = headers[-1]
-                headers[-1] = (name, f"{value} {line.strip()}")
-                continue
-            name, colon, value = line.partition(":")
-            if not colon or not name.strip() or " " in name.strip():
-                raise SipParseError(f"malformed header line {line[:60]!r}")
-            headers.append((name.strip(), value.strip()))
-        parts = start.split(" ", 2)
-        if start.startswith("SIP/"):
-            if len(parts) < 2 or parts[0] != "SIP/2.0":
-                raise SipParseError(f"bad status line {start[:60]!r}")
-            if len(parts[1]) != 3 or not _digits(parts[1]) or not 100 <= int(parts[1]) <= 699:
-                raise SipParseError(f"bad status code in {start[:60]!r}")
-            message = cls(status=int(parts[1]), reason=parts[2] if len(parts) > 2 else "")
-        else:
-            if len(parts) != 3 or parts[2] != "SIP/2.0" or not parts[0].isalpha():
-                raise SipParseError(f"bad request line {start[:60]!r}")
-            message = cls(method=parts[0], uri=parts[1])
-        message.headers = headers
-        for required in _REQUIRED:
-            if message.header(required) is None:
-                raise SipParseError(f"missing {required} header")
-        message.cseq  # noqa: B018 - validates the CSeq header now, not in a handler later
-        length = message.header("content-length")
-        if length is not None:
-            if not _digits(length):
-                raise SipParseError(f"bad Content-Length {length!r}")
-            if len(body) < int(length):
-                raise SipParseError(f"body has {len(body)} bytes, Content-Length says {length}")
-            body = body[: int(length)]
-        message.body = body
-        return message
-
-    @classmethod
-    def request(
-        cls, method: str, uri: str, headers: list[tuple[str, str]], body: bytes = b""
-    ) -> SipMessage:
-        return cls(method=method, uri=uri, headers=headers, body=body)
-
-    def header(self, name: str) -> str | None:
-        """The first value of header ``name`` (any spelling, compact forms included)."""
-        wanted = _canonical(name)
-        for key, value in self.headers:
-            if _canonical(key) == wanted:
-                return value
-        return None
-
-    def header_values(self, name: str) -> list[str]:
-        """Every value of header ``name``, comma-separated lists split (Via, Record-Route)."""
-        wanted = _canonical(name)
-        values: list[str] = []
-        for key, value in self.headers:
-            if _canonical(key) == wanted:
-                values.extend(_split_commas(value))
-        return values
-
-    @property
-    def cseq(self) -> tuple[int, str]:
-        """``(number, method)`` from the CSeq header."""
-        number, _, method = (self.header("cseq") or "").partition(" ")
-        if not _digits(number) or not method.strip():
-            raise SipParseError(f"bad CSeq {self.header('cseq')!r}")
-        return int(number), method.strip()
-
-    def serialize(self) -> bytes:
-        """Wire bytes; Content-Length is always written from the body."""
-        if self.method:
-            start = f"{self.method} {self.uri} SIP/2.0"
-        else:
-            start = f"SIP/2.0 {self.status} {self.reason}"
-        lines = [start]
-        lines.extend(f"{k}: {v}" for k, v in self.headers if _canonical(k) != "content-length")
-        lines.append(f"Content-Length: {len(self.body)}")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode() + self.body
-
-    __bytes__ = serialize
-
-
-def _param(value: str, name: str) -> str | None:
-    """Header parameter ``name`` (``tag``, ``branch``...) outside the ``<...>`` URI, if any."""
-    tail = value[value.rfind(">") + 1 :] if "<" in value else value
-    for part in tail.split(";")[1:]:
-        key, _, val = part.partition("=")
-        if key.strip().lower() == name:
-            return val.strip()
-    return None
-
-
-def _uri(value: str) -> str:
-    """The URI of a name-addr (``"x" <sip:...>;p``) or addr-spec (``sip:...;p``) header value."""
-    if "<" in value:
-        return value[value.index("<") + 1 : value.index(">")].strip()
-    return value.split(";", 1)[0].strip()
-
-
-def _hostport(uri: str) -> tuple[str, int]:
-    """Host and port (default 5060) of a SIP URI such as ``sip:user@127.0.0.1:5062;lr``."""
-    rest = uri.split(":", 1)[1] if uri.lower().startswith(("sip:", "sips:")) else uri
-    rest = rest.split(";", 1)[0].split("?", 1)[0].rpartition("@")[2]
-    if rest.startswith("["):
-        host, _, port = rest[1:].partition("]")
-        port = port.lstrip(":")
-    else:
-        host, _, port = rest.partition(":")
-    if not host or (port and not _digits(port)):
-        raise SipParseError(f"no host:port in URI {uri!r}")
-    return host, int(port) if port else 5060
-
-
-def _token() -> str:
-    return secrets.token_hex(6)
-
-
-# --- SDP --------------------------------------------------------------------------------------
-
-
-def build_sdp(
+def offer_sdp(
     ip: str,
     port: int,
     *,
@@ -459,7 +247,7 @@ def build_sdp(
     event_pt: int = PT_TELEPHONE_EVENT,
     direction: str = "sendrecv",
 ) -> bytes:
-    """Our offer/answer (RFC 4566): PCMU PT 0 + telephone-event (0-15), ptime 20."""
+    """Our offer (RFC 4566, RFC 3264 section 5): PCMU PT 0 + telephone-event (0-15), ptime 20."""
     lines = [
         "v=0",
         f"o=loadsim {session_id} {version} IN IP4 {ip}",
@@ -476,164 +264,46 @@ def build_sdp(
     return ("\r\n".join(lines) + "\r\n").encode()
 
 
-_DIRECTIONS: Final = ("sendrecv", "sendonly", "recvonly", "inactive")
-
-
 @dataclass(frozen=True)
-class SessionDescription:
-    """The first audio stream of an SDP body (RFC 4566), as far as a G.711 phone needs it."""
+class MediaAnswer:
+    """The first audio stream of an SDP answer, as far as a G.711 phone needs it."""
 
     address: str
     port: int
     payload_types: tuple[int, ...]
-    rtpmap: Mapping[int, str]
-    """Payload type -> lower-case ``encoding/rate`` from ``a=rtpmap``."""
+    audio_pt: int | None
+    """The payload type carrying PCMU/8000, or None."""
+    event_pt: int | None
+    """The payload type of telephone-event/8000, or None when not accepted."""
     direction: str = "sendrecv"
     ptime: int | None = None
 
-    @property
-    def audio_pt(self) -> int | None:
-        """The payload type carrying PCMU/8000 (static PT 0 needs no rtpmap), or None."""
-        for pt in self.payload_types:
-            encoding = self.rtpmap.get(pt)
-            if encoding == "pcmu/8000" or (encoding is None and pt == PT_PCMU):
-                return pt
-        return None
 
-    @property
-    def event_pt(self) -> int | None:
-        """The payload type of telephone-event/8000, or None when not offered/accepted."""
-        for pt in self.payload_types:
-            if self.rtpmap.get(pt) == "telephone-event/8000":
-                return pt
-        return None
+def read_answer(body: bytes) -> MediaAnswer:
+    """Read the audio stream of an SDP answer with the gateway's SDP parser.
 
-    @classmethod
-    def parse(cls, body: bytes) -> SessionDescription:
-        """Parse an SDP body; raises :class:`SdpError` when there is no usable audio stream."""
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise SdpError(f"SDP is not UTF-8: {exc}") from exc
-        session_address: str | None = None
-        session_direction = "sendrecv"
-        address: str | None = None
-        port: int | None = None
-        pts: tuple[int, ...] = ()
-        rtpmap: dict[int, str] = {}
-        direction: str | None = None
-        ptime: int | None = None
-        in_audio = False
-        seen_audio = False
-        for raw in text.splitlines():
-            line = raw.strip()
-            if len(line) < 2 or line[1] != "=":
-                continue
-            kind, value = line[0], line[2:]
-            if kind == "m":
-                if seen_audio:
-                    break  # only the first audio stream matters
-                fields = value.split()
-                in_audio = bool(fields) and fields[0] == "audio"
-                if not in_audio:
-                    continue
-                seen_audio = True
-                if len(fields) < 4 or "RTP/AVP" not in fields[2]:
-                    raise SdpError(f"bad m= line {line!r}")
-                try:
-                    port = int(fields[1].split("/")[0])
-                    pts = tuple(int(f) for f in fields[3:])
-                except ValueError as exc:
-                    raise SdpError(f"bad m= line {line!r}") from exc
-            elif kind == "c":
-                fields = value.split()
-                if len(fields) != 3 or fields[0] != "IN":
-                    raise SdpError(f"bad c= line {line!r}")
-                if in_audio:
-                    address = fields[2].split("/")[0]
-                elif not seen_audio:
-                    session_address = fields[2].split("/")[0]
-            elif kind == "a" and (in_audio or not seen_audio):
-                name, _, rest = value.partition(":")
-                if name in _DIRECTIONS:
-                    if in_audio:
-                        direction = name
-                    else:
-                        session_direction = name
-                elif name == "rtpmap" and in_audio:
-                    pt_text, _, encoding = rest.partition(" ")
-                    if _digits(pt_text):
-                        rtpmap[int(pt_text)] = encoding.strip().lower()
-                elif name == "ptime" and in_audio and _digits(rest.strip()):
-                    ptime = int(rest.strip())
-        if port is None:
-            raise SdpError("no m=audio stream")
-        if port == 0:
-            raise SdpError("the audio stream is rejected (port 0)")
-        address = address or session_address
-        if not address:
-            raise SdpError("no c= connection address for the audio stream")
-        return cls(
-            address=address,
-            port=port,
-            payload_types=pts,
-            rtpmap=MappingProxyType(rtpmap),
-            direction=direction or session_direction,
-            ptime=ptime,
-        )
+    Raises :class:`~gateway.sip.sdp.SdpError` when the body is not SDP, has no audio stream,
+    rejected it (port 0, RFC 3264 section 6) or gives it no connection address.
+    """
+    session = parse_sdp(body)
+    media = next((m for m in session.media if m.kind == "audio"), None)
+    if media is None:
+        raise SdpError(488, "no m=audio stream in the answer")
+    if media.port == 0:
+        raise SdpError(488, "the audio stream is rejected (port 0)")
+    if media.connection is None:
+        raise SdpError(400, "no c= connection address for the audio stream")
+    audio_pt = next((pt for pt in media.formats if pt in media.rtpmap
+                     and media.rtpmap[pt].name.upper() == "PCMU"
+                     and media.rtpmap[pt].clock_rate == CLOCK_RATE), None)
+    event_pt = next((pt for pt in media.formats if pt in media.rtpmap
+                     and media.rtpmap[pt].name.lower() == "telephone-event"
+                     and media.rtpmap[pt].clock_rate == CLOCK_RATE), None)
+    return MediaAnswer(media.connection.address, media.port, tuple(media.formats), audio_pt,
+                       event_pt, media.direction, media.ptime)
 
 
-# --- RTP --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RtpPacket:
-    """An RTP packet (RFC 3550 section 5.1): fixed header fields and the payload."""
-
-    payload_type: int
-    sequence: int
-    timestamp: int
-    ssrc: int
-    payload: bytes
-    marker: bool = False
-
-    @classmethod
-    def parse(cls, data: bytes) -> RtpPacket:
-        """Parse a datagram (CSRCs, header extension and padding skipped)."""
-        if len(data) < _RTP_HEADER.size:
-            raise RtpParseError(f"{len(data)} bytes is shorter than the 12-byte RTP header")
-        b0, b1, seq, ts, ssrc = _RTP_HEADER.unpack_from(data)
-        if b0 >> 6 != 2:
-            raise RtpParseError(f"RTP version {b0 >> 6}, expected 2")
-        offset = _RTP_HEADER.size + 4 * (b0 & 0x0F)
-        if b0 & 0x10:  # header extension, RFC 3550 section 5.3.1
-            if len(data) < offset + 4:
-                raise RtpParseError("header extension runs past the end")
-            words = struct.unpack_from("!H", data, offset + 2)[0]
-            offset += 4 + 4 * words
-        end = len(data)
-        if b0 & 0x20:  # padding: the last octet counts the padding octets
-            padding = data[-1]
-            if padding == 0:
-                raise RtpParseError("padding bit set with a zero padding count")
-            end -= padding
-        if offset > end:
-            raise RtpParseError("header fields and padding overrun the packet")
-        return cls(b1 & 0x7F, seq, ts, ssrc, bytes(data[offset:end]), bool(b1 & 0x80))
-
-    def serialize(self) -> bytes:
-        """Wire bytes: version 2, no padding, no extension, no CSRC."""
-        if not 0 <= self.payload_type <= 127:
-            raise RtpParseError(f"payload type {self.payload_type} is outside 0..127")
-        b1 = (0x80 if self.marker else 0) | self.payload_type
-        return _RTP_HEADER.pack(0x80, b1, self.sequence, self.timestamp, self.ssrc) + self.payload
-
-    __bytes__ = serialize
-
-
-def _telephone_event(event: int, end: bool, duration: int) -> bytes:
-    """RFC 4733 section 2.3 payload: event, E bit + volume, duration (samples)."""
-    return _TELEPHONE_EVENT.pack(event, (0x80 if end else 0) | _DTMF_VOLUME, duration)
+# --- receive analysis -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -645,56 +315,6 @@ class StreamStats:
     expected: int
     lost: int
     jitter_ms: float
-
-
-class _SsrcState:
-    __slots__ = (
-        "base",
-        "cycles",
-        "jitter",
-        "last_arrival",
-        "last_ts",
-        "max_seq",
-        "prior_expected",
-        "received",
-    )
-
-    def __init__(self, seq: int) -> None:
-        self.base = seq
-        self.max_seq = seq
-        self.cycles = 0
-        self.received = 0
-        self.prior_expected = 0
-        self.jitter = 0.0  # in timestamp units, as RFC 3550 A.8 keeps it
-        self.last_arrival: float | None = None
-        self.last_ts = 0
-
-    def sequence(self, seq: int) -> None:
-        delta = seq_diff(seq, self.max_seq)
-        if 0 < delta < _MAX_DROPOUT:
-            if seq < self.max_seq:
-                self.cycles += SEQ_MOD
-            self.max_seq = seq
-        elif delta >= _MAX_DROPOUT or delta < -_MAX_MISORDER:
-            # A jump A.1 would treat as a restart; restart at once (no probation) and keep the
-            # packets expected so far.
-            self.prior_expected = self.expected
-            self.base = seq
-            self.max_seq = seq
-            self.cycles = 0
-        self.received += 1
-
-    def interarrival(self, arrival: float, ts: int, rate: int) -> None:
-        # A.8: D(i-1, i) = (R_i - R_{i-1}) - (S_i - S_{i-1}) in timestamp units; J += (|D| - J)/16.
-        if self.last_arrival is not None:
-            d = (arrival - self.last_arrival) * rate - ts_diff(ts, self.last_ts)
-            self.jitter += (abs(d) - self.jitter) / 16
-        self.last_arrival = arrival
-        self.last_ts = ts
-
-    @property
-    def expected(self) -> int:
-        return self.prior_expected + self.cycles + self.max_seq - self.base + 1
 
 
 @dataclass(frozen=True)
@@ -728,9 +348,11 @@ class RtpReceiveLog:
     ``record(data, source, arrival)`` is fed by the I/O shell; the per-packet columns are compact
     arrays (one entry per packet, in arrival order): ``arrivals`` (monotonic seconds),
     ``sequences``, ``timestamps``, ``ssrcs``, ``payload_types``, ``sizes`` (payload bytes),
-    ``kinds`` (0 silent audio, 1 non-silent audio, 2 telephone-event, 3 other), and
-    ``source_ids`` indexing ``sources``. Loss is counted over every packet of an SSRC (audio and
-    events share the sequence space); jitter only over audio packets (event packets repeat the
+    ``kinds`` (0 silent audio, 1 non-silent audio, 2 telephone-event, 3 other), ``cuts`` (1 where
+    an audio packet starts a new talkspurt: marker bit, timestamp jump or new SSRC) and
+    ``source_ids`` indexing ``sources``. Loss and jitter per SSRC come from
+    :class:`~gateway.sip.rtp.RtpReceiverStats`: loss over every packet of a source (audio and
+    events share the sequence space), jitter only over audio packets (event packets repeat the
     event's start timestamp, RFC 4733 section 2.5.1.2, which would read as jitter).
     """
 
@@ -752,18 +374,21 @@ class RtpReceiveLog:
         self.payload_types = array("B")
         self.sizes = array("L")
         self.kinds = bytearray()
+        self.cuts = bytearray()
         self.source_ids = array("H")
         self.sources: list[tuple[str, int]] = []
         self._source_index: dict[tuple[str, int], int] = {}
-        self._streams: dict[int, _SsrcState] = {}
+        self._stats: dict[int, RtpReceiverStats] = {}
+        self._last_audio: tuple[int, int, int, int] | None = None  # ssrc, seq, ts, samples
         self.malformed = 0
         self.rtcp = 0
 
     def record(self, data: bytes, source: tuple[str, int], arrival: float) -> None:
-        """Log one datagram. Raises :class:`RtpParseError` (after counting it) if not RTP."""
+        """Log one datagram. Raises :class:`~gateway.sip.rtp.RtpError` (after counting it) if
+        it is not RTP."""
         try:
             packet = RtpPacket.parse(data)
-        except RtpParseError:
+        except RtpError:
             self.malformed += 1
             raise
         pt = packet.payload_type
@@ -771,8 +396,16 @@ class RtpReceiveLog:
             self.rtcp += 1  # RTCP SR/RR/SDES/BYE/APP multiplexed here (RFC 5761 section 4)
             return
         payload = packet.payload
+        cut = 0
         if pt == self.audio_pt:
             kind = _SPEECH if payload.translate(None, self._silent) else _SILENT
+            last = self._last_audio
+            # RFC 3551 4.1: the marker bit opens a talkspurt; a timestamp that does not follow
+            # the previous packet's (its samples times the packets between) does too.
+            if packet.marker or last is None or last[0] != packet.ssrc or ts_diff(
+                    packet.timestamp, last[2]) != last[3] * seq_diff(packet.sequence, last[1]):
+                cut = 1
+            self._last_audio = (packet.ssrc, packet.sequence, packet.timestamp, len(payload))
         elif pt == self.event_pt:
             kind = _EVENT
         else:
@@ -789,13 +422,12 @@ class RtpReceiveLog:
         self.payload_types.append(pt)
         self.sizes.append(len(payload))
         self.kinds.append(kind)
+        self.cuts.append(cut)
         self.source_ids.append(index)
-        stream = self._streams.get(packet.ssrc)
-        if stream is None:
-            stream = self._streams[packet.ssrc] = _SsrcState(packet.sequence)
-        stream.sequence(packet.sequence)
-        if kind <= _SPEECH:
-            stream.interarrival(arrival, packet.timestamp, CLOCK_RATE)
+        stats = self._stats.get(packet.ssrc)
+        if stats is None:
+            stats = self._stats[packet.ssrc] = RtpReceiverStats(min_sequential=1)
+        stats.update(packet, arrival, CLOCK_RATE, update_jitter=kind <= _SPEECH)
 
     # --- whole-call statistics ----------------------------------------------------------------
 
@@ -815,10 +447,10 @@ class RtpReceiveLog:
                 ssrc=ssrc,
                 received=s.received,
                 expected=s.expected,
-                lost=max(0, s.expected - s.received),
-                jitter_ms=1000 * s.jitter / CLOCK_RATE,
+                lost=max(0, s.lost),
+                jitter_ms=s.jitter_ms,
             )
-            for ssrc, s in self._streams.items()
+            for ssrc, s in self._stats.items()
         ]
         return sorted(stats, key=lambda s: -s.received)
 
@@ -835,10 +467,47 @@ class RtpReceiveLog:
 
     # --- speech timing ------------------------------------------------------------------------
 
-    def first_audio_after(self, t: float) -> float | None:
-        """Arrival time of the first non-silent audio packet that arrived after ``t``."""
-        index = self.kinds.find(_SPEECH, bisect_right(self.arrivals, t))
+    def first_audio_after(self, t: float, until: float | None = None) -> float | None:
+        """Arrival time of the first non-silent audio packet that arrived after ``t`` (and
+        before ``until``)."""
+        lo = bisect_right(self.arrivals, t)
+        hi = len(self.arrivals) if until is None else bisect_left(self.arrivals, until)
+        index = self.kinds.find(_SPEECH, lo, hi) if lo < hi else -1
         return self.arrivals[index] if index >= 0 else None
+
+    def speaking_at(self, t: float, hold_s: float = STOP_HOLD_S) -> bool:
+        """Whether speech was still arriving at ``t``: a speech packet in the ``hold_s`` before
+        it (a shorter silence is a pause inside the utterance, see the module docstring)."""
+        lo = bisect_left(self.arrivals, t - hold_s)
+        hi = bisect_right(self.arrivals, t)
+        return lo < hi and self.kinds.find(_SPEECH, lo, hi) >= 0
+
+    def utterance_after(
+        self, t: float, until: float | None = None, *, now: float | None = None
+    ) -> float | None:
+        """Arrival of the first speech packet of the audio that answers a turn at ``t``.
+
+        When no speech arrived in the 100 ms before ``t``, that is the first speech packet after
+        ``t``. When speech was still arriving (a key pressed mid-prompt), the next packets may be
+        the interrupted utterance's; the answer starts at the first cut after ``t`` (the marker
+        bit the gateway sets when barge-in flushed its queue, or a timestamp jump), or, with no
+        cut, after the interrupted speech stopped (see :meth:`stream_stopped_after`; ``now``
+        lets the end of the log count as evidence). None while not (yet) found before
+        ``until``.
+        """
+        if not self.speaking_at(t):
+            return self.first_audio_after(t, until)
+        arrivals = self.arrivals
+        lo = bisect_right(arrivals, t)
+        hi = len(arrivals) if until is None else bisect_left(arrivals, until)
+        cut = self.cuts.find(1, lo, hi) if lo < hi else -1
+        if cut >= 0:
+            index = self.kinds.find(_SPEECH, cut, hi)
+            return arrivals[index] if index >= 0 else None
+        stopped = self.stream_stopped_after(t, now=now)
+        if stopped is None or (until is not None and stopped >= until):
+            return None
+        return self.first_audio_after(stopped, until)
 
     def stream_stopped_after(
         self, t: float, *, now: float | None = None, hold_s: float = STOP_HOLD_S
@@ -883,7 +552,7 @@ class RtpReceiveLog:
         arrivals, kinds = self.arrivals, self.kinds
         lo = bisect_left(arrivals, start)
         hi = bisect_left(arrivals, end)
-        first = kinds.find(_SPEECH, lo, hi)
+        first = kinds.find(_SPEECH, lo, hi) if lo < hi else -1
         if first < 0:
             return PlayoutStats(None, 0, 0, 0.0, 0.0, 0, 0)
         seqs, stamps, ssrcs, sizes = self.sequences, self.timestamps, self.ssrcs, self.sizes
@@ -974,11 +643,12 @@ class PacingStats:
 
 
 class FramePacer:
-    """Deadlines ``t0 + n * frame_s`` on an injected clock; records each wake-up's lateness.
+    """Sleeps to the deadlines of :class:`gateway.audio.pacer.Pacer` (``t0 + n * frame_s``) on
+    an injected clock, and records each wake-up's lateness.
 
-    When a wake-up is late by more than a frame the following deadlines are already due and
-    go out at once (a sound card that kept producing samples while the process stalled); the
-    timeline never drifts.
+    When a wake-up is late by more than a frame the following deadlines are already due and go
+    out at once (a sound card that kept producing samples while the process stalled); the
+    timeline never drifts and never re-anchors.
     """
 
     def __init__(
@@ -989,27 +659,24 @@ class FramePacer:
     ) -> None:
         self.clock = clock
         self.sleep = sleep
-        self.frame_s = frame_s
         self.stats = PacingStats()
-        self.t0: float | None = None
-        self.n = 0
+        self._pacer = Pacer(clock, frame_s, max_lag_frames=_NEVER_REANCHOR)
+        self._started = False
 
     def start(self, t0: float | None = None) -> None:
-        self.t0 = self.clock() if t0 is None else t0
-        self.n = 0
+        self._pacer.start(t0)
+        self._started = True
 
     async def next(self) -> float:
         """Wait for the next deadline; returns the time it woke up."""
-        if self.t0 is None:
+        if not self._started:
             self.start()
-        assert self.t0 is not None
-        deadline = self.t0 + self.n * self.frame_s
+        deadline = self._pacer.next_deadline()
         delay = deadline - self.clock()
         if delay > 0:
             await self.sleep(delay)
         now = self.clock()
         self.stats.record(now - deadline)
-        self.n += 1
         return now
 
 
@@ -1050,7 +717,7 @@ class _DtmfJob:
     sent: int = 0
     ends: int = 0
 
-    def packet(self, ts: int, now: float) -> tuple[bytes, int, bool]:
+    def payload(self, ts: int, now: float) -> tuple[bytes, int, bool]:
         """Payload, RTP timestamp and marker of the next packet of this event."""
         first = self.sent == 0
         if first:
@@ -1060,11 +727,31 @@ class _DtmfJob:
         end = self.sent * FRAME_SAMPLES >= self.total
         self.ends += end
         duration = min(self.sent * FRAME_SAMPLES, self.total)
-        return _telephone_event(self.event, end, duration), self.start_ts, first
+        event = TelephoneEvent(self.event, end, _DTMF_VOLUME, duration)
+        return event.serialize(), self.start_ts, first
 
     @property
     def finished(self) -> bool:
         return self.ends >= _DTMF_END_PACKETS
+
+
+def _uri_of(value: str) -> str:
+    """The URI of a name-addr or addr-spec header value (Contact, Record-Route, Refer-To)."""
+    return parse_name_addr(value).uri
+
+
+def _hostport(uri: str) -> tuple[str, int]:
+    """Host and port (default 5060) of a SIP URI such as ``sip:user@127.0.0.1:5062;lr``."""
+    rest = uri.split(":", 1)[1] if uri.lower().startswith(("sip:", "sips:")) else uri
+    rest = rest.split(";", 1)[0].split("?", 1)[0].rpartition("@")[2]
+    if rest.startswith("["):
+        host, _, port = rest[1:].partition("]")
+        port = port.lstrip(":")
+    else:
+        host, _, port = rest.partition(":")
+    if not host or (port and not (port.isascii() and port.isdigit())):
+        raise SipParseError(0, f"no host:port in URI {uri!r}")
+    return host, int(port) if port else 5060
 
 
 class SipCaller:
@@ -1079,9 +766,9 @@ class SipCaller:
     - ``remote_hangup_at``: arrival of the gateway's BYE; ``hangup_status``/``hangup_ms``: our
       BYE's response and its round trip; ``transferred_to``: the Refer-To URI of a REFER.
     - ``rtp``: the :class:`RtpReceiveLog` (``jitter_ms``, ``loss_pct``, ``first_audio_after``,
-      ``stream_stopped_after``, ``playout``/``gaps`` delegate to it); ``pacing``:
-      :class:`PacingStats` of our sends; ``packets_sent``; ``dtmf_sent``: ``(digit, first
-      packet time)``.
+      ``utterance_after``, ``stream_stopped_after``, ``playout``/``gaps`` delegate to it);
+      ``pacing``: :class:`PacingStats` of our sends; ``packets_sent``; ``dtmf_sent``:
+      ``(digit, first packet time)``.
     - ``requests_received``: method -> count; ``errors``: every unexpected message or failure.
     """
 
@@ -1094,6 +781,7 @@ class SipCaller:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
         silence_threshold: int = SILENCE_THRESHOLD,
+        rng: random.Random | None = None,
     ) -> None:
         self.caller_id = caller_id
         self.t1 = t1
@@ -1114,12 +802,11 @@ class SipCaller:
         self.hangup_status: int | None = None
         self.hangup_ms: float | None = None
         self.transferred_to: str | None = None
-        self.packets_sent = 0
         self.dtmf_sent: list[tuple[str, float]] = []
         self.requests_received: dict[str, int] = {}
         self.errors: list[str] = []
         self.errors_dropped = 0
-        self.answer: SessionDescription | None = None
+        self.answer: MediaAnswer | None = None
         self.remote_rtp: tuple[str, int] | None = None
         self.local_sip: tuple[str, int] | None = None
         self.local_rtp: tuple[str, int] | None = None
@@ -1134,21 +821,22 @@ class SipCaller:
         self._target: tuple[str, int] = ("", 0)
         self._local_ip = ""
         self._call_id = ""
+        self._local_tag = new_tag()
         self._from = ""
         self._to = ""
         self._request_uri = ""
         self._contact = ""
         self._cseq = 0
-        self._invite: SipMessage | None = None
+        self._invite: SipRequest | None = None
         self._invite_branch = ""
-        self._final: asyncio.Future[SipMessage] | None = None
+        self._final: asyncio.Future[SipResponse] | None = None
         self._ack: tuple[bytes, tuple[str, int]] | None = None
         self._remote_tag: str | None = None
         self._remote_to = ""
         self._remote_target = ""
         self._route_set: list[str] = []
         self._dest: tuple[str, int] = ("", 0)
-        self._pending: dict[tuple[str, str], asyncio.Future[SipMessage]] = {}
+        self._pending: dict[tuple[str, str], asyncio.Future[SipResponse]] = {}
         self._replies: dict[tuple[str, int, str, str], bytes] = {}
         self._finished: dict[tuple[str, str], None] = {}  # ended client transactions, in order
         self._sdp_session = secrets.randbelow(1 << 31)
@@ -1157,12 +845,10 @@ class SipCaller:
         self._tasks: set[asyncio.Task[None]] = set()
         self._sender: asyncio.Task[None] | None = None
         self._dtmf: deque[_DtmfJob] = deque()
-        self._audio_pt = PT_PCMU
         self._event_pt: int | None = None
         self._send_enabled = True
-        self._ssrc = secrets.randbits(32)
-        self._seq = secrets.randbits(16)
-        self._ts = secrets.randbits(32)
+        # Random SSRC, sequence and timestamp bases (RFC 3550 5.1); the marker opens the stream.
+        self._rtp_out = RtpSender(PT_PCMU, rng=rng)
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -1170,6 +856,11 @@ class SipCaller:
     def pacing(self) -> PacingStats:
         """Scheduling lateness of every RTP packet sent (ms)."""
         return self.pacer.stats
+
+    @property
+    def packets_sent(self) -> int:
+        """RTP packets sent (audio and telephone events)."""
+        return self._rtp_out.packets_sent
 
     async def __aenter__(self) -> SipCaller:
         return self
@@ -1189,7 +880,8 @@ class SipCaller:
 
         ``user`` is the Request-URI (dialled) user; ours (From/Contact) is ``caller_id``.
         Raises :class:`CallFailed` (>= 300, ``status`` set), :class:`CallTimeout` (no final
-        response within ``timeout_s``; a CANCEL follows a provisional) or :class:`SdpError`.
+        response within ``timeout_s``; a CANCEL follows a provisional) or
+        :class:`~gateway.sip.sdp.SdpError`.
         """
         if self._state != "idle":
             raise LoadSimError("a SipCaller places one call; create another")
@@ -1207,31 +899,19 @@ class SipCaller:
 
         host, port = target
         self._request_uri = f"sip:{user}@{host}:{port}"
-        self._call_id = f"{secrets.token_hex(8)}@{local_ip}"
-        self._from = f"<sip:{self.caller_id}@{local_ip}>;tag={_token()}"
+        self._call_id = new_call_id(local_ip)
+        self._from = f"<sip:{self.caller_id}@{local_ip}>;tag={self._local_tag}"
         self._to = f"<{self._request_uri}>"
         self._contact = f"<sip:{self.caller_id}@{local_ip}:{self.local_sip[1]}>"
         self._cseq = 1
-        self._invite_branch = self._new_branch()
-        sdp = build_sdp(
+        self._invite_branch = new_branch()
+        sdp = offer_sdp(
             local_ip, self.local_rtp[1], session_id=self._sdp_session, version=self._sdp_version
         )
-        self._invite = SipMessage.request(
-            "INVITE",
-            self._request_uri,
-            [
-                ("Via", self._via(self._invite_branch)),
-                ("Max-Forwards", "70"),
-                ("From", self._from),
-                ("To", self._to),
-                ("Call-ID", self._call_id),
-                ("CSeq", f"{self._cseq} INVITE"),
-                ("Contact", self._contact),
-                ("Allow", _ALLOW),
-                ("User-Agent", _USER_AGENT),
-                ("Content-Type", "application/sdp"),
-            ],
-            sdp,
+        self._invite = self._request(
+            "INVITE", self._request_uri, self._to, self._cseq, self._invite_branch,
+            contact=True, body=sdp,
+            headers=[("Allow", _ALLOW), ("User-Agent", _USER_AGENT)],
         )
         invite = self._invite.serialize()
         final = self._final = loop.create_future()
@@ -1263,7 +943,7 @@ class SipCaller:
                 await self.hangup()  # the 200 crossed our CANCEL: end the call we got
             self._state = "terminated"
             raise CallTimeout(
-                f"no final response to INVITE within {timeout_s} s "
+                f"no final response to INVITE within {timeout_s:g} s "
                 f"(provisional: {self.provisional or 'none'})"
             )
         response = final.result()
@@ -1271,16 +951,18 @@ class SipCaller:
             self._state = "terminated"
             raise CallFailed(response.status, response.reason)
         try:
-            answer = SessionDescription.parse(response.body)
-            audio_pt = answer.audio_pt
-            if audio_pt is None:
-                raise SdpError(f"the answer has no PCMU payload type ({answer.payload_types})")
+            answer = read_answer(response.body)
+            if answer.audio_pt is None:
+                raise SdpError(488, f"the answer has no PCMU payload type "
+                                    f"({answer.payload_types})")
         except SdpError as exc:
             self._error(f"unusable SDP answer: {exc}")
             await self.hangup()
             raise
-        self._apply_sdp(answer)
-        self._sender = loop.create_task(self._send_media(), name=f"loadsim-rtp-{self._ssrc}")
+        self.answer = answer
+        self._apply_media(answer.address, answer.port, answer.audio_pt, answer.event_pt,
+                          answer.direction in ("sendrecv", "recvonly"))
+        self._sender = loop.create_task(self._send_media(), name="loadsim-rtp")
 
     def play(self, frames: Iterable[bytes]) -> None:
         """Send these 160-byte mu-law frames from the next 20 ms tick on, then silence."""
@@ -1292,7 +974,7 @@ class SipCaller:
         Audio pauses while the event is on the wire. Returns after the last end packet, so
         consecutive calls press keys one after the other.
         """
-        event = DTMF_EVENTS.get(digit.upper())
+        event = DIGIT_TO_EVENT.get(digit.upper())
         if event is None:
             raise ValueError(f"{digit!r} is not a DTMF key (0-9, *, #, A-D)")
         if not 0 < duration_ms <= 8000:
@@ -1336,10 +1018,17 @@ class SipCaller:
         """Arrival of the first non-silent audio packet after ``t`` (see :class:`RtpReceiveLog`)."""
         return self.rtp.first_audio_after(t)
 
+    def utterance_after(self, t: float, until: float | None = None) -> float | None:
+        """First audio of the utterance answering a turn at ``t`` (see
+        :meth:`RtpReceiveLog.utterance_after`)."""
+        return self.rtp.utterance_after(t, until, now=self._observed_now())
+
     def stream_stopped_after(self, t: float) -> float | None:
         """When received speech stopped after ``t``; None while it has not (yet)."""
-        now = self._rtp_closed_at if self._rtp_closed_at is not None else self._clock()
-        return self.rtp.stream_stopped_after(t, now=now)
+        return self.rtp.stream_stopped_after(t, now=self._observed_now())
+
+    def _observed_now(self) -> float:
+        return self._rtp_closed_at if self._rtp_closed_at is not None else self._clock()
 
     def playout(self, start: float, end: float) -> PlayoutStats:
         """Playout gaps of the utterance received in [start, end) (see :class:`PlayoutStats`)."""
@@ -1392,34 +1081,51 @@ class SipCaller:
         else:
             self.errors_dropped += 1
 
-    def _new_branch(self) -> str:
-        return f"z9hG4bK{secrets.token_hex(8)}"  # RFC 3261 8.1.1.7 magic cookie
-
-    def _via(self, branch: str) -> str:
+    def _request(
+        self,
+        method: str,
+        uri: str,
+        to: str,
+        cseq: int,
+        branch: str,
+        *,
+        contact: bool = False,
+        routes: Iterable[str] = (),
+        headers: Iterable[tuple[str, str]] = (),
+        body: bytes = b"",
+        content_type: str | None = None,
+    ) -> SipRequest:
         assert self.local_sip is not None
-        return f"SIP/2.0/UDP {self.local_sip[0]}:{self.local_sip[1]};branch={branch};rport"
+        return build_request(
+            method, uri, call_id=self._call_id, from_=self._from, to=to,
+            cseq=cseq, via_host=self.local_sip[0], via_port=self.local_sip[1], branch=branch,
+            contact=self._contact if contact else None,
+            headers=[*(("Route", route) for route in routes), *headers],
+            body=body,
+            content_type=content_type or ("application/sdp" if body else None),
+        )
 
     def _send_sip(self, data: bytes, addr: tuple[str, int]) -> None:
         if self._sip is not None and not self._sip.is_closing():
             self._sip.sendto(data, addr)
 
     def _on_sip(self, data: bytes, addr: tuple[str, int]) -> None:
-        if not data.strip():
-            return  # CRLF keep-alive (RFC 5626 section 4.4.1)
         try:
-            message = SipMessage.parse(data)
+            message = parse_message(data)
+        except SipKeepalive:
+            return  # CRLF keep-alive (RFC 5626 section 4.4.1)
         except SipParseError as exc:
             self._error(f"sip: unparseable datagram from {addr}: {exc}")
             return
-        if message.is_request:
+        if isinstance(message, SipRequest):
             self._on_request(message, addr)
         else:
             self._on_response(message)
 
-    def _on_response(self, response: SipMessage) -> None:
+    def _on_response(self, response: SipResponse) -> None:
         _, method = response.cseq
-        branch = _param(response.header("via") or "", "branch") or ""
-        if response.header("call-id") != self._call_id:
+        branch = response.top_via_branch or ""
+        if response.call_id != self._call_id:
             self._error(f"sip: response {response.status} for an unknown Call-ID")
             return
         if method == "INVITE" and branch == self._invite_branch:
@@ -1432,7 +1138,7 @@ class SipCaller:
         elif response.status >= 200 and not future.done():
             future.set_result(response)
 
-    def _on_invite_response(self, response: SipMessage) -> None:
+    def _on_invite_response(self, response: SipResponse) -> None:
         status = response.status
         final = self._final
         if status < 200:
@@ -1444,7 +1150,7 @@ class SipCaller:
             return
         if final.done():
             # A retransmitted final: our ACK was lost or is still in flight; send it again.
-            tag = _param(response.header("to") or "", "tag")
+            tag = response.to_tag
             if status < 300 and tag != self._remote_tag:
                 self._error(f"sip: a second 2xx from another dialog (to-tag {tag}); ignored")
                 return
@@ -1456,20 +1162,27 @@ class SipCaller:
         self.reason = response.reason
         invite = self._invite
         assert invite is not None
+        to = response.headers.get("To") or self._to
         if status < 300:
             now = self._clock()
             self.answered_at = now
             assert self.invite_sent_at is not None
             self.setup_ms = 1000 * (now - self.invite_sent_at)
             self._state = "confirmed"
-            self._remote_to = response.header("to") or self._to
-            self._remote_tag = _param(self._remote_to, "tag")
-            contact = response.header("contact")
-            self._remote_target = _uri(contact) if contact else self._request_uri
-            # RFC 3261 12.1.2: the route set is the Record-Route list, reversed, for a UAC.
-            self._route_set = list(reversed(response.header_values("record-route")))
-            next_hop = _uri(self._route_set[0]) if self._route_set else self._remote_target
+            self._remote_to = to
+            self._remote_tag = response.to_tag
+            contacts = response.headers.get_all("Contact")
+            contact = contacts[0] if contacts else None
             try:
+                self._remote_target = _uri_of(contact) if contact else self._request_uri
+            except SipParseError as exc:
+                self._error(f"sip: unreadable Contact in the 2xx: {exc}")
+                self._remote_target = self._request_uri
+            # RFC 3261 12.1.2: the route set is the Record-Route list, reversed, for a UAC.
+            self._route_set = list(reversed(response.headers.get_all("Record-Route")))
+            try:
+                next_hop = _uri_of(self._route_set[0]) if self._route_set else \
+                    self._remote_target
                 self._dest = _hostport(next_hop)
             except SipParseError as exc:
                 self._error(f"sip: {exc}; sending in-dialog requests to {self._target}")
@@ -1477,20 +1190,9 @@ class SipCaller:
             ack, _ = self._dialog_request("ACK", cseq=self._cseq)
             self._ack = (ack.serialize(), self._dest)
         else:
-            # RFC 3261 17.1.1.3: the transaction's own ACK: INVITE's Request-URI, top Via
+            # RFC 3261 17.1.1.3: the transaction's own ACK: the INVITE's Request-URI, top Via
             # (same branch), From, Call-ID and CSeq number; To from the response.
-            ack = SipMessage.request(
-                "ACK",
-                invite.uri,
-                [
-                    ("Via", invite.header("via") or ""),
-                    ("Max-Forwards", "70"),
-                    ("From", self._from),
-                    ("To", response.header("to") or self._to),
-                    ("Call-ID", self._call_id),
-                    ("CSeq", f"{invite.cseq[0]} ACK"),
-                ],
-            )
+            ack = self._request("ACK", invite.uri, to, invite.cseq[0], self._invite_branch)
             self._ack = (ack.serialize(), self._target)
         self._send_sip(*self._ack)
         final.set_result(response)
@@ -1501,25 +1203,20 @@ class SipCaller:
         *,
         cseq: int | None = None,
         body: bytes = b"",
+        content_type: str | None = None,
         extra: Iterable[tuple[str, str]] = (),
-    ) -> tuple[SipMessage, str]:
+    ) -> tuple[SipRequest, str]:
         """A request inside our dialog (RFC 3261 12.2.1.1) and its Via branch."""
         if cseq is None:
             self._cseq += 1
             cseq = self._cseq
-        branch = self._new_branch()
-        headers = [("Via", self._via(branch)), ("Max-Forwards", "70")]
-        headers += [("Route", route) for route in self._route_set]
-        headers += [
-            ("From", self._from),
-            ("To", self._remote_to),
-            ("Call-ID", self._call_id),
-            ("CSeq", f"{cseq} {method}"),
-        ]
-        if method not in ("ACK", "BYE"):
-            headers.append(("Contact", self._contact))
-        headers.extend(extra)
-        return SipMessage.request(method, self._remote_target, headers, body), branch
+        branch = new_branch()
+        request = self._request(
+            method, self._remote_target, self._remote_to, cseq, branch,
+            contact=method not in ("ACK", "BYE"), routes=self._route_set,
+            headers=extra, body=body, content_type=content_type,
+        )
+        return request, branch
 
     async def _transact(
         self,
@@ -1528,10 +1225,10 @@ class SipCaller:
         method: str,
         timeout_s: float,
         dest: tuple[str, int] | None = None,
-    ) -> SipMessage | None:
+    ) -> SipResponse | None:
         """A non-INVITE client transaction: Timer E (T1 doubling up to T2) until a final."""
         assert self._loop is not None
-        future: asyncio.Future[SipMessage] = self._loop.create_future()
+        future: asyncio.Future[SipResponse] = self._loop.create_future()
         key = (branch, method)
         self._pending[key] = future
         deadline = self._loop.time() + timeout_s
@@ -1556,18 +1253,10 @@ class SipCaller:
         """CANCEL the pending INVITE (RFC 3261 9.1); the 487 that follows is ACKed as usual."""
         invite = self._invite
         assert invite is not None and self._loop is not None
-        cancel = SipMessage.request(
-            "CANCEL",
-            invite.uri,
-            [
-                ("Via", invite.header("via") or ""),
-                ("Max-Forwards", "70"),
-                ("From", self._from),
-                ("To", self._to),
-                ("Call-ID", self._call_id),
-                ("CSeq", f"{invite.cseq[0]} CANCEL"),
-            ],
-        )
+        # RFC 3261 9.1: Request-URI, Call-ID, To, From, CSeq number and the top Via (its branch)
+        # of the request being cancelled.
+        cancel = self._request("CANCEL", invite.uri, self._to, invite.cseq[0],
+                               self._invite_branch)
         bound = 4 * self.t1 * 2
         response = await self._transact(
             cancel.serialize(), self._invite_branch, "CANCEL", bound, self._target
@@ -1578,12 +1267,12 @@ class SipCaller:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._final), bound)
 
-    def _on_request(self, request: SipMessage, addr: tuple[str, int]) -> None:
+    def _on_request(self, request: SipRequest, addr: tuple[str, int]) -> None:
         method = request.method
         self.requests_received[method] = self.requests_received.get(method, 0) + 1
         number, _ = request.cseq
-        branch = _param(request.header("via") or "", "branch") or ""
-        call_id = request.header("call-id") or ""
+        branch = request.top_via_branch or ""
+        call_id = request.call_id
         key = (call_id, number, method, branch)
         cached = self._replies.get(key)
         if cached is not None:
@@ -1595,113 +1284,93 @@ class SipCaller:
             return  # ACKs get no response; stray ones are harmless
         if method == "OPTIONS":
             self._reply(
-                request, addr, 200, "OK", [("Allow", _ALLOW), ("Accept", "application/sdp")]
+                request, addr, 200, headers=[("Allow", _ALLOW), ("Accept", "application/sdp")]
             )
             return
         in_dialog = (
             call_id == self._call_id
             and self._remote_tag is not None
-            and _param(request.header("from") or "", "tag") == self._remote_tag
+            and request.from_tag == self._remote_tag
         )
         if not in_dialog:
             self._error(f"sip: {method} outside our dialog from {addr}")
-            self._reply(request, addr, 481, "Call/Transaction Does Not Exist")
+            self._reply(request, addr, 481)
             return
         if method == "BYE":
-            self._reply(request, addr, 200, "OK")
+            self._reply(request, addr, 200)
             if self.remote_hangup_at is None:
                 self.remote_hangup_at = self._clock()
             self._state = "terminated"
             if self._sender is not None:
                 self._sender.cancel()  # a phone stops its media when the far end hangs up
         elif method == "REFER":
-            refer_to = request.header("refer-to")
+            refer_to = request.headers.get("Refer-To")
             if not refer_to:
                 self._error("sip: REFER without Refer-To")
                 self._reply(request, addr, 400, "Missing Refer-To")
                 return
-            self._reply(request, addr, 202, "Accepted")
-            self.transferred_to = _uri(refer_to)
+            try:
+                target = _uri_of(refer_to)
+            except SipParseError as exc:
+                self._error(f"sip: REFER with an unreadable Refer-To: {exc}")
+                self._reply(request, addr, 400, "Bad Refer-To")
+                return
+            self._reply(request, addr, 202)
+            self.transferred_to = target
             self._spawn(self._report_transfer_failed())
         elif method == "INVITE":
             self._on_reinvite(request, addr)
         else:
             self._error(f"sip: unexpected {method} in the dialog")
-            self._reply(request, addr, 405, "Method Not Allowed", [("Allow", _ALLOW)])
+            self._reply(request, addr, 405, headers=[("Allow", _ALLOW)])
 
     def _reply(
         self,
-        request: SipMessage,
+        request: SipRequest,
         addr: tuple[str, int],
         status: int,
-        reason: str,
-        extra: Iterable[tuple[str, str]] = (),
+        reason: str | None = None,
+        *,
+        headers: Iterable[tuple[str, str]] = (),
         body: bytes = b"",
     ) -> bytes:
         """Send (and cache for retransmissions) a response, RFC 3261 section 8.2.6."""
-        to = request.header("to") or ""
-        if _param(to, "tag") is None and status > 100:
-            local_tag = (
-                _param(self._from, "tag") if request.header("call-id") == self._call_id else None
-            )
-            to = f"{to};tag={local_tag or _token()}"
-        headers = [("Via", via) for via in request.header_values("via")]
-        headers += [
-            ("From", request.header("from") or ""),
-            ("To", to),
-            ("Call-ID", request.header("call-id") or ""),
-            ("CSeq", request.header("cseq") or ""),
-            ("User-Agent", _USER_AGENT),
-        ]
-        headers.extend(extra)
-        data = SipMessage(status=status, reason=reason, headers=headers, body=body).serialize()
-        # The source address, not the Via sent-by: what RFC 3581 rport asks for, and the only
-        # address that works behind NAT; on loopback the two agree.
+        # Our dialog's tag for requests in it; a fresh one for anything else (8.2.6.2).
+        to_tag = self._local_tag if request.call_id == self._call_id else new_tag()
+        # RFC 3581: the response goes back to the packet's source, recorded on the top Via.
+        stamp_via(request, addr[0], addr[1])
+        response = response_to(
+            request, status, reason, to_tag=to_tag,
+            headers=[("User-Agent", _USER_AGENT), *headers], body=body,
+            content_type="application/sdp" if body else None,
+        )
+        data = response.serialize()
         self._send_sip(data, addr)
         number, method = request.cseq
-        key = (
-            request.header("call-id") or "",
-            number,
-            method,
-            _param(request.header("via") or "", "branch") or "",
-        )
+        key = (request.call_id, number, method, request.top_via_branch or "")
         self._replies[key] = data
         if len(self._replies) > _REPLY_CACHE:
             self._replies.pop(next(iter(self._replies)))
         return data
 
-    def _on_reinvite(self, request: SipMessage, addr: tuple[str, int]) -> None:
+    def _on_reinvite(self, request: SipRequest, addr: tuple[str, int]) -> None:
         """Answer a re-INVITE like a phone: same codecs, hold honoured (RFC 3264 section 8.4)."""
+        assert self.local_rtp is not None
         try:
-            offer = SessionDescription.parse(request.body)
-            if offer.audio_pt is None:
-                raise SdpError(f"no PCMU in the re-INVITE offer ({offer.payload_types})")
+            answer: Answer = negotiate(
+                parse_sdp(request.body), local_ip=self._local_ip, local_port=self.local_rtp[1],
+                session_id=self._sdp_session, version=self._sdp_version + 1, codecs=("PCMU",),
+            )
         except SdpError as exc:
             self._error(f"sip: re-INVITE: {exc}")
-            self._reply(request, addr, 488, "Not Acceptable Here")
+            self._reply(request, addr, 488)
             return
-        self._apply_sdp(offer)
-        direction = {"sendonly": "recvonly", "recvonly": "sendonly", "inactive": "inactive"}.get(
-            offer.direction, "sendrecv"
-        )
-        assert self.local_rtp is not None
         self._sdp_version += 1
-        sdp = build_sdp(
-            self._local_ip,
-            self.local_rtp[1],
-            session_id=self._sdp_session,
-            version=self._sdp_version,
-            event_pt=offer.event_pt or PT_TELEPHONE_EVENT,
-            direction=direction,
-        )
-        data = self._reply(
-            request,
-            addr,
-            200,
-            "OK",
-            [("Contact", self._contact), ("Content-Type", "application/sdp")],
-            sdp,
-        )
+        # We send unless our answer says we will not (RFC 3264 section 6.1).
+        self._apply_media(answer.remote_rtp[0], answer.remote_rtp[1], answer.payload_type,
+                          answer.telephone_event_pt, answer.direction in ("sendrecv", "sendonly"))
+        data = self._reply(request, addr, 200, headers=[("Contact", self._contact)],
+                           body=answer.sdp)
         self._reinvite_acked = asyncio.Event()
         self._spawn(self._retransmit_until_ack(data, addr, self._reinvite_acked))
 
@@ -1727,11 +1396,8 @@ class SipCaller:
         notify, branch = self._dialog_request(
             "NOTIFY",
             body=b"SIP/2.0 503 Service Unavailable\r\n",
-            extra=[
-                ("Event", "refer"),
-                ("Subscription-State", "terminated;reason=noresource"),
-                ("Content-Type", "message/sipfrag;version=2.0"),
-            ],
+            content_type="message/sipfrag;version=2.0",
+            extra=[("Event", "refer"), ("Subscription-State", "terminated;reason=noresource")],
         )
         response = await self._transact(notify.serialize(), branch, "NOTIFY", 64 * self.t1)
         if response is None:
@@ -1775,21 +1441,20 @@ class SipCaller:
         arrival = self._clock()
         try:
             self.rtp.record(data, addr, arrival)
-        except RtpParseError as exc:
+        except RtpError as exc:
             self._error(f"rtp: malformed packet from {addr}: {exc}")
 
     def _on_rtcp(self, data: bytes, addr: tuple[str, int]) -> None:
         self.rtp.rtcp += 1
 
-    def _apply_sdp(self, description: SessionDescription) -> None:
-        self.answer = description
-        self.remote_rtp = (description.address, description.port)
-        self._audio_pt = description.audio_pt if description.audio_pt is not None else PT_PCMU
-        self._event_pt = description.event_pt
-        self.rtp.audio_pt = self._audio_pt
-        self.rtp.event_pt = self._event_pt
-        # We send unless the far end said it will not receive (RFC 3264 section 6.1).
-        self._send_enabled = description.direction in ("sendrecv", "recvonly")
+    def _apply_media(self, address: str, port: int, audio_pt: int | None, event_pt: int | None,
+                     send: bool) -> None:
+        self.remote_rtp = (address, port)
+        self._rtp_out.payload_type = audio_pt if audio_pt is not None else PT_PCMU
+        self._event_pt = event_pt
+        self.rtp.audio_pt = self._rtp_out.payload_type
+        self.rtp.event_pt = event_pt
+        self._send_enabled = send
 
     def _next_frame(self) -> bytes:
         if self._audio is not None:
@@ -1803,38 +1468,52 @@ class SipCaller:
                 return (bytes(frame) + _SILENT_FRAME)[:FRAME_SAMPLES]
         return _SILENT_FRAME
 
+    def _advance(self, sent: bytes | None) -> None:
+        """One 20 ms tick of our stream: the timestamp always advances (it is the sampling
+        clock), the sequence number only for a packet sent (RFC 3550 5.1)."""
+        sender = self._rtp_out
+        sender.timestamp = ts_add(sender.timestamp, FRAME_SAMPLES)
+        if sent is not None:
+            sender.sequence = seq_add(sender.sequence, 1)
+            sender.packets_sent += 1
+            sender.octets_sent += len(sent)
+
     async def _send_media(self) -> None:
-        """The sender: one packet per 20 ms deadline; DTMF events replace audio while active."""
+        """The sender: one packet per 20 ms deadline; DTMF events replace audio while active.
+
+        Audio goes through :meth:`RtpSender.packet`. An RFC 4733 packet carries the stream's
+        next sequence number, the event's start timestamp (2.5.1.2) and the marker bit on its
+        first packet only (2.5.1.1), while the audio timeline advances under it, so audio
+        resumes at the timestamp it would have had.
+        """
         transport = self._rtp_transport
         assert transport is not None
         pacer = self.pacer
         pacer.start()
-        seq, ts, ssrc = self._seq, self._ts, self._ssrc
-        first = True
+        sender = self._rtp_out
         job: _DtmfJob | None = None
         try:
             while True:
                 now = await pacer.next()
                 if job is None and self._dtmf:
                     job = self._dtmf.popleft()
+                remote = self.remote_rtp if self._send_enabled else None
                 if job is not None and self._event_pt is not None:
-                    payload, stamp, marker = job.packet(ts, now)
-                    pt = self._event_pt
+                    payload, stamp, first = job.payload(sender.timestamp, now)
+                    if remote is not None:
+                        transport.sendto(RtpPacket(self._event_pt, sender.sequence, stamp,
+                                                   sender.ssrc, payload, first).serialize(),
+                                         remote)
+                    self._advance(payload if remote is not None else None)
                     if job.finished:
                         if not job.done.done():
                             job.done.set_result(job.first_at)
                         job = None
+                elif remote is not None:
+                    transport.sendto(sender.packet(self._next_frame()), remote)
                 else:
-                    payload, stamp, marker, pt = self._next_frame(), ts, False, self._audio_pt
-                if self._send_enabled and self.remote_rtp is not None:
-                    header = _RTP_HEADER.pack(
-                        0x80, (0x80 if marker or first else 0) | pt, seq, stamp, ssrc
-                    )
-                    transport.sendto(header + payload, self.remote_rtp)
-                    self.packets_sent += 1
-                    first = False
-                    seq = (seq + 1) & 0xFFFF
-                ts = (ts + FRAME_SAMPLES) & 0xFFFFFFFF
+                    self._next_frame()
+                    self._advance(None)
         except Exception as exc:  # the sender dies loudly in errors, never silently
             self._error(f"rtp: the sender stopped: {exc!r}")
         finally:

@@ -1,29 +1,68 @@
-"""A simulated Twilio Media Streams caller: the network side of one phone call, in real time.
+"""A simulated Twilio call: the voice webhook, then the Media Stream it names, in real time.
 
-Its own client code (it shares nothing with the gateway's server side): it signs the WebSocket
-upgrade like Twilio, sends ``connected`` and ``start``, streams 20 ms of caller audio every
-20 ms from a shared :class:`Ticker` (one timer for every caller, paced on a monotonic deadline,
-whose own lateness is measured), sends DTMF, echoes each ``mark`` when its simulated playback of
-the audio before it would have finished (at once on ``clear``, as Twilio does), and ``stop``.
+Twilio's side of an inbound call, as the gateway sees it:
 
-What the caller hears is recorded as (arrival time, event) and turned into per-turn
-measurements afterwards: first audio after each turn, gaps in playback, barge-in latency.
+1. **Dial**: POST the number's voice webhook with the form Twilio sends
+   (https://www.twilio.com/docs/voice/twiml#request-parameters), signed with
+   X-Twilio-Signature over the URL and the sorted form (the twilio library's
+   ``RequestValidator``). The TwiML answer (:mod:`gateway.loadsim.twiml`) is either the busy
+   answer - the call is *refused* - or ``<Connect><Stream>``.
+2. **Stream**: open the ``<Stream>`` URL it names (the upgrade signed over that wss:// URL with
+   no parameters), send ``connected`` and ``start`` with the ``<Parameter>``s as
+   ``customParameters``, stream 20 ms of caller audio every 20 ms from a shared
+   :class:`Ticker` (one timer for every caller, paced on a monotonic deadline, whose own
+   lateness is measured), send DTMF, echo each ``mark`` when its simulated playback of the audio
+   before it would have finished (at once on ``clear``, as Twilio does), and ``stop``.
+3. **After the stream**: when the gateway ended the stream with the call still up, request the
+   ``<Connect action>`` URL and read what it says (a ``<Dial>`` transfer or a hang-up).
+
+What the caller hears is recorded in :class:`Heard`, in arrival order, and turned into per-turn
+measurements afterwards: first audio after each turn, gaps in playback, barge-in latency. A
+stream closed by the gateway keeps its close code and reason: they are the real cause of
+whatever the caller did not hear afterwards.
+
+*First audio of the answer to a turn at t* (:meth:`Heard.utterance_after`): if the gateway was
+still sending an utterance at ``t`` (media arrived after its last ``mark``/``clear``), the media
+that follow may be that interrupted utterance's; the answer starts after the next ``clear``
+(barge-in) or ``mark`` (the old utterance's end). Otherwise it is the first media after ``t``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import websockets
 from twilio.request_validator import RequestValidator
+from websockets.asyncio.client import ClientConnection
+
+from gateway.loadsim.twiml import (
+    AfterStream,
+    Busy,
+    StreamAnswer,
+    TwimlError,
+    parse_after_stream,
+    parse_voice_answer,
+)
+
+__all__ = ["FRAME_S", "DialError", "Heard", "Ticker", "TwilioCaller", "after_stream", "describe",
+           "dial", "voice_form"]
 
 FRAME_S = 0.02
 _SILENCE = base64.b64encode(b"\xff" * 160).decode()
+#: Twilio's REST API version, sent in every webhook request.
+API_VERSION = "2010-04-01"
+ACCOUNT_SID = "AC" + "0" * 32
+#: WebSocket close codes that mean "not now" rather than "broken" (RFC 6455 7.4.1 registry:
+#: 1013 Try Again Later, what the gateway sends a stream it has no room for).
+REFUSAL_CLOSE_CODES = frozenset({1013})
 
 
 class Ticker:
@@ -41,10 +80,8 @@ class Ticker:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
 
     async def _run(self) -> None:
         start = time.monotonic()
@@ -66,77 +103,258 @@ class Ticker:
                 await caller.send_media()
 
 
+# --- dialling: the voice webhook and the <Connect action> ---------------------------------------
+
+
+class DialError(Exception):
+    """The webhook gave no answer a call can follow; the message is the failure's cause."""
+
+
+def voice_form(call_sid: str, caller: str, called: str, status: str = "ringing"
+               ) -> dict[str, str]:
+    """The form Twilio POSTs to a number's voice webhook for an inbound call."""
+    return {
+        "AccountSid": ACCOUNT_SID, "ApiVersion": API_VERSION, "CallSid": call_sid,
+        "CallStatus": status, "Direction": "inbound", "From": caller, "Caller": caller,
+        "FromCountry": "US", "To": called, "Called": called, "ToCountry": "US",
+    }
+
+
+def _signed(url: str, form: dict[str, str], auth_token: str | None) -> dict[str, str]:
+    headers = {"User-Agent": "TwilioProxy/1.1"}
+    if auth_token:
+        headers["X-Twilio-Signature"] = RequestValidator(auth_token).compute_signature(url, form)
+    return headers
+
+
+async def _post(client: httpx.AsyncClient, url: str, form: dict[str, str],
+                auth_token: str | None) -> httpx.Response:
+    return await client.post(url, data=form, headers=_signed(url, form, auth_token))
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as a cause: its type and message, without per-call detail."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def dial(client: httpx.AsyncClient, voice_url: str, call_sid: str,
+               auth_token: str | None, caller: str, called: str) -> StreamAnswer | Busy:
+    """POST the voice webhook as Twilio does and read its TwiML.
+
+    Raises :class:`DialError` with the cause when there is no usable answer (HTTP error,
+    unexpected status, TwiML the call cannot follow).
+    """
+    form = voice_form(call_sid, caller, called)
+    try:
+        response = await _post(client, voice_url, form, auth_token)
+    except httpx.HTTPError as exc:
+        raise DialError(f"voice webhook: {describe(exc)}") from None
+    if response.status_code != 200:
+        raise DialError(f"voice webhook answered HTTP {response.status_code}")
+    try:
+        return parse_voice_answer(response.text)
+    except TwimlError as exc:
+        raise DialError(f"voice webhook: {exc}") from None
+
+
+async def after_stream(client: httpx.AsyncClient, answer: StreamAnswer, call_sid: str,
+                       auth_token: str | None, caller: str, called: str) -> AfterStream:
+    """Request the ``<Connect action>`` as Twilio does once the stream ended, call still up."""
+    assert answer.action is not None
+    form = voice_form(call_sid, caller, called, status="in-progress")
+    try:
+        if answer.action_method == "GET":
+            response = await client.get(answer.action, params=form,
+                                        headers=_signed(answer.action, {}, auth_token))
+        else:
+            response = await _post(client, answer.action, form, auth_token)
+    except httpx.HTTPError as exc:
+        raise DialError(f"<Connect action> webhook: {describe(exc)}") from None
+    if response.status_code != 200:
+        raise DialError(f"<Connect action> webhook answered HTTP {response.status_code}")
+    try:
+        return parse_after_stream(response.text)
+    except TwimlError as exc:
+        raise DialError(f"<Connect action> webhook: {exc}") from None
+
+
+
+# --- what the caller heard ------------------------------------------------------------------
+
+
 @dataclass
 class Heard:
-    """Everything one call received, with arrival times."""
+    """Everything one call received, with arrival times, in arrival order.
 
-    media: list[tuple[float, float]] = field(default_factory=list)  # (arrival, audio seconds)
+    ``media`` holds (arrival, audio seconds). Marks and clears also record how many media
+    messages had arrived before them (``boundaries``), so "after the mark" is exact even when
+    two messages share an arrival time. Fed through :meth:`add_media`, :meth:`add_mark` and
+    :meth:`add_clear` (the caller's reader, or a test's synthetic timeline).
+    """
+
+    media: list[tuple[float, float]] = field(default_factory=list)
     clears: list[float] = field(default_factory=list)
     marks: list[tuple[float, str]] = field(default_factory=list)
+    #: (arrival, media count before it) of every mark and clear, in arrival order.
+    boundaries: list[tuple[float, int]] = field(default_factory=list)
     closed_at: float | None = None
     close_code: int | None = None
+    close_reason: str = ""
+    #: True when the gateway closed the stream (not our hang-up).
+    closed_by_gateway: bool = False
+    _arrivals: list[float] = field(default_factory=list, repr=False)
+    _boundary_times: list[float] = field(default_factory=list, repr=False)
+
+    def add_media(self, at: float, seconds: float) -> None:
+        self.media.append((at, seconds))
+        self._arrivals.append(at)
+
+    def add_mark(self, at: float, name: str) -> None:
+        self.marks.append((at, name))
+        self._boundary(at)
+
+    def add_clear(self, at: float) -> None:
+        self.clears.append(at)
+        self._boundary(at)
+
+    def _boundary(self, at: float) -> None:
+        self.boundaries.append((at, len(self.media)))
+        self._boundary_times.append(at)
+
+    def utterance_after(self, t: float, until: float | None = None) -> float | None:
+        """Arrival of the first media of the audio that answers a turn at ``t`` (module
+        docstring), or None if none arrived before ``until``."""
+        index = bisect_left(self._arrivals, t)  # media that arrived before t
+        bi = bisect_left(self._boundary_times, t)
+        streaming = index > 0 and (bi == 0 or self.boundaries[bi - 1][1] < index)
+        if streaming:
+            # The old utterance's media may continue: the answer starts after its end.
+            if bi >= len(self.boundaries):
+                return None
+            at, index = self.boundaries[bi]
+            if until is not None and at >= until:
+                return None
+        if index >= len(self.media):
+            return None
+        arrival = self.media[index][0]
+        return arrival if until is None or arrival < until else None
+
+    def mark_after(self, t: float, until: float | None = None) -> float | None:
+        """Arrival of the first mark after ``t`` (the end of the utterance playing at t)."""
+        for at, _ in self.marks:
+            if at >= t and (until is None or at < until):
+                return at
+        return None
+
+    def clear_after(self, t: float) -> float | None:
+        return next((c for c in self.clears if c >= t), None)
+
+    def gaps_between(self, start: float, end: float) -> tuple[int, float, float]:
+        """Underruns of a listener who starts playing at the first frame after ``start``.
+
+        Returns (count, total ms, audio seconds received). A gap is a frame that arrives after
+        everything before it has finished playing; the utterance ends at ``end`` (its mark,
+        a clear, or the next turn), after which silence is expected and not counted.
+        """
+        playout_end: float | None = None
+        gaps, gap_s, audio = 0, 0.0, 0.0
+        for arrival, seconds in self.media:
+            if arrival < start or arrival >= end:
+                continue
+            if playout_end is not None and arrival > playout_end + 1e-3:
+                gaps += 1
+                gap_s += arrival - playout_end
+            playout_end = max(playout_end or arrival, arrival) + seconds
+            audio += seconds
+        return gaps, 1000 * gap_s, audio
+
+    def jitter_ms(self) -> float | None:
+        """RFC 3550 A.8 style jitter of media arrivals against their audio timeline (ms)."""
+        media = self.media
+        if len(media) < 2:
+            return None
+        jitter = 0.0
+        timeline = 0.0
+        previous_arrival, previous_timeline = media[0][0], 0.0
+        for arrival, seconds in media[1:]:
+            timeline += seconds
+            transit = (arrival - previous_arrival) - (timeline - previous_timeline)
+            # Twilio plays from its own buffer: only lateness (frames arriving after their
+            # real-time slot) is jitter a listener could hear; early bursts are absorbed.
+            jitter += (abs(transit) if transit > 0 else 0.0) / 16 - jitter / 16
+            previous_arrival, previous_timeline = arrival, timeline
+        return 1000 * jitter
+
+
+# --- the Media Stream -----------------------------------------------------------------------
 
 
 class TwilioCaller:
-    """One simulated call to ``ws_url``."""
+    """One simulated Media Stream, opened at the URL the voice webhook's TwiML named."""
 
-    def __init__(self, ws_url: str, auth_token: str | None, call_sid: str, ticker: Ticker,
-                 *, caller: str = "+15550000000") -> None:
-        self.ws_url = ws_url
+    def __init__(self, stream_url: str, parameters: dict[str, str], auth_token: str | None,
+                 call_sid: str, ticker: Ticker) -> None:
+        self.stream_url = stream_url
+        self.parameters = dict(parameters)
         self.auth_token = auth_token
         self.call_sid = call_sid
         self.stream_sid = "MZ" + call_sid[2:]
         self.ticker = ticker
-        self.caller = caller
         self.heard = Heard()
-        self.setup_ms: float | None = None
         self.error: str | None = None
-        self._ws: Any = None
+        self._ws: ClientConnection | None = None
         self._seq = 0
         self._chunk = 0
         self._playout_end = 0.0
+        self._hanging_up = False
         self._pending_marks: list[tuple[float, str]] = []
         self._reader: asyncio.Task[None] | None = None
         self._echoer: asyncio.Task[None] | None = None
-        self.new_media = asyncio.Event()
+        #: Set on every message from the gateway and when the stream closes.
+        self.changed = asyncio.Event()
         self._media_prefix = ('{"event":"media","streamSid":"' + self.stream_sid
                               + '","media":{"track":"inbound","chunk":"')
 
     # --- connection ---------------------------------------------------------------------------
 
     async def connect(self, timeout_s: float = 10) -> None:
+        """Open the stream and send ``connected`` + ``start``.
+
+        Raises what websockets raises (``InvalidStatus`` for an upgrade answered with an HTTP
+        error, ``OSError`` / ``TimeoutError`` when nothing answers).
+        """
         headers = {}
         if self.auth_token:
-            signature = RequestValidator(self.auth_token).compute_signature(self.ws_url, {})
+            # Twilio signs the upgrade over the wss:// URL with no parameters.
+            signature = RequestValidator(self.auth_token).compute_signature(self.stream_url, {})
             headers["X-Twilio-Signature"] = signature
-        t0 = time.monotonic()
         self._ws = await asyncio.wait_for(
-            websockets.connect(self.ws_url, additional_headers=headers, max_size=2**22,
+            websockets.connect(self.stream_url, additional_headers=headers, max_size=2**22,
                                compression=None), timeout_s)
         self._reader = asyncio.create_task(self._read())
         await self._send({"event": "connected", "protocol": "Call", "version": "1.0.0"})
         await self._send({
             "event": "start", "sequenceNumber": self._next_seq(),
-            "start": {"accountSid": "AC" + "0" * 32, "streamSid": self.stream_sid,
+            "start": {"accountSid": ACCOUNT_SID, "streamSid": self.stream_sid,
                       "callSid": self.call_sid, "tracks": ["inbound"],
                       "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000,
                                       "channels": 1},
-                      "customParameters": {"From": self.caller, "To": "+15550009999"}},
+                      "customParameters": self.parameters},
             "streamSid": self.stream_sid,
         })
-        self.setup_ms = 1000 * (time.monotonic() - t0)
         self.ticker.callers.add(self)
         self._echoer = asyncio.create_task(self._echo_marks())
 
     async def hangup(self) -> None:
         """``stop`` and close, as Twilio does when the caller hangs up."""
+        self._hanging_up = True
         self.ticker.callers.discard(self)
         if self._ws is not None and self.heard.closed_at is None:
             try:
                 await self._send({"event": "stop", "sequenceNumber": self._next_seq(),
                                   "streamSid": self.stream_sid,
-                                  "stop": {"accountSid": "AC" + "0" * 32,
-                                           "callSid": self.call_sid}})
+                                  "stop": {"accountSid": ACCOUNT_SID, "callSid": self.call_sid}})
                 await self._ws.close()
             except websockets.ConnectionClosed:
                 pass
@@ -147,10 +365,8 @@ class TwilioCaller:
         for task in (self._reader, self._echoer):
             if task is not None and not task.done():
                 task.cancel()
-                try:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-                except (asyncio.CancelledError, Exception):
-                    pass
         if self._ws is not None:
             await self._ws.close()
 
@@ -161,6 +377,7 @@ class TwilioCaller:
         return str(self._seq)
 
     async def _send(self, message: dict[str, Any]) -> None:
+        assert self._ws is not None
         await self._ws.send(json.dumps(message))
 
     async def send_media(self) -> None:
@@ -173,10 +390,8 @@ class TwilioCaller:
         chunk = str(self._chunk)
         text = (self._media_prefix + chunk + '","timestamp":"' + str(self._chunk * 20)
                 + '","payload":"' + _SILENCE + '"},"sequenceNumber":"' + str(self._seq) + '"}')
-        try:
+        with contextlib.suppress(websockets.ConnectionClosed):
             await ws.send(text)
-        except websockets.ConnectionClosed:
-            pass
 
     async def press(self, digit: str) -> float:
         """Send one DTMF key; returns the monotonic time it was sent."""
@@ -190,8 +405,10 @@ class TwilioCaller:
 
     async def _read(self) -> None:
         heard = self.heard
+        ws = self._ws
+        assert ws is not None
         try:
-            async for raw in self._ws:
+            async for raw in ws:
                 now = time.monotonic()
                 if isinstance(raw, str) and raw.startswith('{"event":"media"'):
                     # The per-frame path: the audio's length is all the caller needs, read off
@@ -201,34 +418,36 @@ class TwilioCaller:
                     end = raw.index('"', start)
                     padding = raw.count("=", end - 2, end)
                     seconds = ((end - start) * 3 // 4 - padding) / 8000
-                    heard.media.append((now, seconds))
+                    heard.add_media(now, seconds)
                     self._playout_end = max(self._playout_end, now) + seconds
-                    self.new_media.set()
+                    self.changed.set()
                     continue
                 message = json.loads(raw)
                 event = message.get("event")
                 if event == "media":
                     seconds = len(base64.b64decode(message["media"]["payload"])) / 8000
-                    heard.media.append((now, seconds))
+                    heard.add_media(now, seconds)
                     self._playout_end = max(self._playout_end, now) + seconds
-                    self.new_media.set()
                 elif event == "mark":
                     name = message["mark"]["name"]
-                    heard.marks.append((now, name))
+                    heard.add_mark(now, name)
                     self._pending_marks.append((self._playout_end, name))
                 elif event == "clear":
-                    heard.clears.append(now)
+                    heard.add_clear(now)
                     self._playout_end = now
                     self._pending_marks = [(now, name) for _, name in self._pending_marks]
+                self.changed.set()
         except websockets.ConnectionClosed:
             pass
         except Exception as exc:
-            self.error = f"unreadable message from the gateway: {exc}"
+            self.error = f"unreadable message from the gateway: {describe(exc)}"
         finally:
             heard.closed_at = time.monotonic()
-            heard.close_code = self._ws.close_code
+            heard.close_code = ws.close_code
+            heard.close_reason = ws.close_reason or ""
+            heard.closed_by_gateway = not self._hanging_up
             self.ticker.callers.discard(self)
-            self.new_media.set()
+            self.changed.set()
 
     async def _echo_marks(self) -> None:
         while self.heard.closed_at is None:
@@ -243,80 +462,35 @@ class TwilioCaller:
                     return
             await asyncio.sleep(0.01)
 
-    # --- queries ------------------------------------------------------------------------------
+    # --- waiting ------------------------------------------------------------------------------
 
-    def first_audio_after(self, t: float, until: float | None = None) -> float | None:
-        """Arrival of the first frame of the audio that answers a turn at ``t``.
-
-        Frames of an interrupted utterance may still be in flight after a key press; if a
-        ``clear`` follows the turn (before the next turn at ``until``), the answer starts after
-        it.
-        """
-        start = t
-        limit = t + 2.0 if until is None else min(t + 2.0, until)
-        for clear in self.heard.clears:
-            if t <= clear < limit:
-                start = clear
-                break
-        for arrival, _ in self.heard.media:
-            if arrival >= start:
-                return arrival
-        return None
-
-    def clear_after(self, t: float) -> float | None:
-        return next((c for c in self.heard.clears if c >= t), None)
-
-    async def wait_audio_after(self, t: float, timeout_s: float) -> float | None:
+    async def _wait(self, probe: Any, timeout_s: float) -> float | None:
         deadline = time.monotonic() + timeout_s
         while True:
-            found = self.first_audio_after(t)
+            found = probe()
             if found is not None or self.heard.closed_at is not None:
                 return found
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            self.new_media.clear()
-            try:
-                await asyncio.wait_for(self.new_media.wait(), min(remaining, 0.25))
-            except TimeoutError:
-                pass
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), min(remaining, 0.25))
+
+    async def wait_utterance(self, t: float, timeout_s: float) -> float | None:
+        """Wait for the first audio answering a turn at ``t`` (None: timeout or stream closed)."""
+        return await self._wait(lambda: self.heard.utterance_after(t), timeout_s)
+
+    async def wait_mark(self, t: float, timeout_s: float) -> float | None:
+        """Wait for the first mark after ``t``: the utterance heard from then on has been sent
+        whole."""
+        return await self._wait(lambda: self.heard.mark_after(t), timeout_s)
+
+    @property
+    def playout_end(self) -> float:
+        """When the simulated playback of everything received so far ends (monotonic)."""
+        return self._playout_end
 
     def playing(self, now: float) -> bool:
         """True while the simulated playback still has received audio to play."""
         return self._playout_end > now
-
-    def gaps_between(self, start: float, end: float) -> tuple[int, float, float]:
-        """Underruns of a listener who starts playing at the first frame after ``start``.
-
-        Returns (count, total ms, audio seconds received). A gap is a frame that arrives after
-        everything before it has finished playing; the utterance ends at ``end`` (its mark,
-        a clear, or the next turn), after which silence is expected and not counted.
-        """
-        playout_end: float | None = None
-        gaps, gap_s, audio = 0, 0.0, 0.0
-        for arrival, seconds in self.heard.media:
-            if arrival < start or arrival >= end:
-                continue
-            if playout_end is not None and arrival > playout_end + 1e-3:
-                gaps += 1
-                gap_s += arrival - playout_end
-            playout_end = max(playout_end or arrival, arrival) + seconds
-            audio += seconds
-        return gaps, 1000 * gap_s, audio
-
-    def jitter_ms(self) -> float | None:
-        """RFC 3550 A.8 style jitter of media arrivals against their audio timeline (ms)."""
-        media = self.heard.media
-        if len(media) < 2:
-            return None
-        jitter = 0.0
-        timeline = 0.0
-        previous_arrival, previous_timeline = media[0][0], 0.0
-        for arrival, seconds in media[1:]:
-            timeline += seconds
-            transit = (arrival - previous_arrival) - (timeline - previous_timeline)
-            # Twilio plays from its own buffer: only lateness (frames arriving after their
-            # real-time slot) is jitter a listener could hear; early bursts are absorbed.
-            jitter += (abs(transit) if transit > 0 else 0.0) / 16 - jitter / 16
-            previous_arrival, previous_timeline = arrival, timeline
-        return 1000 * jitter
