@@ -408,9 +408,9 @@ class Call:
         pipeline.reset()
         pipeline.tap = utterance.capture
         playout = self.playout
-        playout.begin(utterance)
         pushed = False
         try:
+            playout.begin(utterance)
             stream = open_stream(utterance)
             utterance.stream = stream
             async for chunk in stream:
@@ -424,17 +424,11 @@ class Call:
             if tail:
                 pushed = True
                 await playout.push(tail)
-        except EngineError as exc:
-            utterance.error = str(exc)
-            utterance.failed.set()
-            log.warning("call %s: %s failed: %s", self.call_id, utterance.id, exc)
-            pipeline.reset()
-            if self._metrics is not None:
-                self._metrics.speech_failures.labels(self._transport_name).inc()
-            # Whatever was sent of it is incomplete: drop it here and at the far end too.
-            if pushed:
-                await playout.interrupt()
-            self.events.put_nowait(SpeechFailed(utterance.id, str(exc), at=self.clock.now()))
+        except Exception as exc:
+            # Not only the engine's EngineError: a bug anywhere on the phone-audio path (a
+            # malformed chunk, the conditioner, the playout) must end in the dialog's error
+            # path too, never in an utterance that neither plays nor fails (silence).
+            await self._failed(utterance, exc, pushed)
             return
         finally:
             pipeline.tap = None
@@ -443,19 +437,49 @@ class Call:
         playout.mark(utterance.id)
 
     async def _play(self, utterance: Utterance, pcm: npt.NDArray[np.int16]) -> None:
-        codec = self.codec
-        encoded = ulaw_encode(pcm) if codec == "pcmu" else alaw_encode(pcm)
-        framer = Framer(codec_silence(codec))
-        frames = framer.push(encoded) + framer.flush()
-        self.playout.begin(utterance)
+        pushed = False
         try:
+            codec = self.codec
+            encoded = ulaw_encode(pcm) if codec == "pcmu" else alaw_encode(pcm)
+            framer = Framer(codec_silence(codec))
+            frames = framer.push(encoded) + framer.flush()
+            self.playout.begin(utterance)
+            pushed = True
             await self.playout.push(frames)
+        except Exception as exc:
+            await self._failed(utterance, exc, pushed)
+            return
         finally:
             utterance.generated.set()
         if utterance.interrupted or self.ended:
             return
         self._pending_marks[utterance.id] = utterance
         self.playout.mark(utterance.id)
+
+    async def _failed(self, utterance: Utterance, exc: Exception, pushed: bool) -> None:
+        """``utterance`` cannot be played: tell the dialog (its error path), log it once."""
+        reason = str(exc) or type(exc).__name__
+        if isinstance(exc, EngineError):
+            # An engine failure the speech service already handled (and counted): one line.
+            log.warning("call %s: %s failed: %s", self.call_id, utterance.id, reason)
+        else:
+            # A bug: the traceback, once, with the call it hit.
+            log.error("call %s: %s failed: %r", self.call_id, utterance.id, exc, exc_info=exc)
+        self._pipeline.reset()
+        if self._metrics is not None:
+            self._metrics.speech_failures.labels(self._transport_name).inc()
+        if pushed and not self.ended:
+            # Whatever was sent of it is incomplete: drop it here and at the far end too.
+            try:
+                await self.playout.interrupt()
+            except Exception:
+                log.exception("call %s: clearing the failed %s failed", self.call_id,
+                              utterance.id)
+        # Only now does the dialog hear of it: the next prompt it starts must not be cleared by
+        # the interrupt above.
+        utterance.error = reason
+        utterance.failed.set()
+        self.events.put_nowait(SpeechFailed(utterance.id, reason, at=self.clock.now()))
 
 
 async def _reap(task: asyncio.Task[None]) -> None:

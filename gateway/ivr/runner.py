@@ -67,7 +67,15 @@ class _CallEnded(Exception):
 
 
 class _Failed(Exception):
-    """A step failed (speech, webhook): go to the error node."""
+    """A step failed (speech, webhook): go to the error node.
+
+    ``logged``: the failure was already logged where it happened (a failed utterance is, by
+    the call, with its traceback when it was a bug); the runner then only notes its decision.
+    """
+
+    def __init__(self, reason: str, *, logged: bool = False) -> None:
+        super().__init__(reason)
+        self.logged = logged
 
 
 @dataclass
@@ -165,8 +173,10 @@ class IvrRunner:
                 return None
             return node.next
         except _Failed as exc:
-            log.warning("call %s: node %s failed: %s", self.call.call_id, name, exc)
             target = self._on_error(name)
+            log.log(logging.INFO if exc.logged else logging.WARNING,
+                    "call %s: node %s failed: %s; %s", self.call.call_id, name, exc,
+                    f"going to {target}" if target is not None else "hanging up")
             if target is None:
                 await self.call.end(HangUp())
             return target
@@ -229,7 +239,7 @@ class IvrRunner:
         """
         while not utterance.played.is_set():
             if utterance.error is not None:
-                raise _Failed(utterance.error)
+                raise _Failed(utterance.error, logged=True)
             event = await self._next_event(timeout=0.05 if utterance.task is None else None,
                                            utterance=utterance)
             if event is None:
@@ -241,7 +251,7 @@ class IvrRunner:
                     self.typeahead.append(event.digit)
                 return False
             if isinstance(event, SpeechFailed) and event.utterance_id == utterance.id:
-                raise _Failed(event.reason)
+                raise _Failed(event.reason, logged=True)
         return True
 
     async def _next_event(self, timeout: float | None,
