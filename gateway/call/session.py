@@ -37,6 +37,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from gateway.aio import cancel_and_wait
 from gateway.audio.condition import Conditioning
 from gateway.audio.framer import Framer, PhonePipeline
 from gateway.audio.g711 import alaw_encode, codec_silence, float_to_int16, ulaw_encode
@@ -388,8 +389,11 @@ class Call:
         """Stop all work for this call (hang-up or socket gone)."""
         self.ended = True
         self.inactivity.cancel()
-        await self._stop_utterance()
-        await self.playout.close()
+        try:
+            await self._stop_utterance()
+        finally:
+            # Even when whoever closes the call is cancelled meanwhile: no pacing task is left.
+            await self.playout.close()
 
     async def _stop_utterance(self) -> None:
         utterance = self._current
@@ -398,10 +402,7 @@ class Call:
         utterance.interrupted = True
         if utterance.stream is not None:
             utterance.stream.cancel()
-        task = utterance.task
-        if task is not None and not task.done():
-            task.cancel()
-            await _reap(task)
+        await cancel_and_wait(utterance.task, log=log, what=f"call {self.call_id}: {utterance.id}")
 
     async def _speak(self, utterance: Utterance, open_stream: StreamOpener) -> None:
         pipeline = self._pipeline
@@ -480,18 +481,6 @@ class Call:
         utterance.error = reason
         utterance.failed.set()
         self.events.put_nowait(SpeechFailed(utterance.id, reason, at=self.clock.now()))
-
-
-async def _reap(task: asyncio.Task[None]) -> None:
-    """Wait for a child task we cancelled; our own cancellation still propagates."""
-    try:
-        await task
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
-            raise
-    except Exception:
-        log.exception("utterance task failed while stopping")
 
 
 #: What drives a call once it is up: the IVR runner, or the first-call greeter.

@@ -15,12 +15,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import websockets
 from twilio.request_validator import RequestValidator
+
+from gateway.aio import cancel_and_wait
+
+log = logging.getLogger(__name__)
 
 FRAME_S = 0.02
 _SILENCE = base64.b64encode(b"\xff" * 160).decode()
@@ -39,12 +44,7 @@ class Ticker:
         self._task = asyncio.create_task(self._run(), name="loadsim-ticker")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task, log=log, what="loadsim ticker")
 
     async def _run(self) -> None:
         start = time.monotonic()
@@ -145,12 +145,7 @@ class TwilioCaller:
     async def close(self) -> None:
         self.ticker.callers.discard(self)
         for task in (self._reader, self._echoer):
-            if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
+            await cancel_and_wait(task, log=log, what=f"loadsim caller {self.call_sid}")
         if self._ws is not None:
             await self._ws.close()
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.aio import cancel_and_wait
 from gateway.call.events import CallOutcome, Codec, TransferTo
 from gateway.call.lifecycle import CallLifecycle
 from gateway.call.playout import PlayoutPolicy
@@ -263,8 +264,8 @@ class SipEndpoint:
         for key in list(self.media):
             self._apply(self.core.hangup(key, self.clock.now()))
         await asyncio.sleep(0)
-        if self._timer is not None:
-            self._timer.cancel()
+        await cancel_and_wait(self._timer, log=log, what="sip timers")
+        self._timer = None
         for key in list(self.media):
             await self._finish(key, "shutdown")
         if self._sock is not None:
