@@ -6,7 +6,8 @@ the SIP timers, the load simulator's ticker and callers) goes through
 task cancelled *while it waits* (a shutdown, a request that went away) must still see its
 CancelledError, and a child's failure is logged instead of raised into the stopper or hidden.
 
-Each case stops something from a task that is itself cancelled while it waits on the child.
+Each case stops something from a task that is itself cancelled while it waits on the child
+(the call lifecycle's own case is in test_call_lifecycle.py).
 """
 
 from __future__ import annotations
@@ -17,13 +18,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import websockets
-from clocks import VirtualClock
 
 from gateway.aio import cancel_and_wait
-from gateway.call import Admission, CallLifecycle, CallRegistry
 from gateway.loadsim.twilio_caller import Ticker, TwilioCaller
-from gateway.metrics import Metrics
-from gateway.readiness import Readiness
 
 
 async def _cancelled_while_stopping(stop: Callable[[], Awaitable[None]]) -> list[str]:
@@ -80,59 +77,6 @@ async def test_a_child_that_failed_is_logged_not_raised(
     [record] = caplog.records
     assert record.getMessage() == "the child failed while stopping"
     assert record.exc_info is not None and "a bug in the child" in str(record.exc_info[1])
-
-
-# --- where the gateway stops children ---------------------------------------------------------
-
-
-class _Dialogs:
-    def for_call(self, call):  # type: ignore[no-untyped-def]
-        return self.run
-
-    async def run(self, call) -> None:  # type: ignore[no-untyped-def]
-        await _stubborn()
-
-
-class _Transport:
-    codec = "pcmu"
-
-    def __init__(self) -> None:
-        from gateway.sip.endpoint import RTP_PLAYOUT
-
-        self.playout = RTP_PLAYOUT
-
-    async def send_frames(self, frames: list[bytes]) -> None:
-        pass
-
-    async def send_mark(self, name: str) -> None:
-        pass
-
-    async def clear(self) -> None:
-        pass
-
-    async def end(self, outcome: object) -> None:
-        pass
-
-    def abort(self, reason: str) -> None:
-        pass
-
-
-async def test_finishing_a_call_propagates_the_finishers_cancellation_and_frees_the_seat(
-) -> None:
-    clock = VirtualClock()
-    metrics = Metrics()
-    readiness = Readiness(metrics, clock)
-    readiness.mark_ready("test")
-    lifecycle = CallLifecycle(admission=Admission(2, readiness, clock, metrics),
-                              registry=CallRegistry(metrics), readiness=readiness,
-                              dialogs=_Dialogs(), clock=clock, metrics=metrics)
-    assert lifecycle.admit("k1", "sip") is None
-    call = lifecycle.start("k1", _Transport(), transport_name="sip", call_id="call-k1",
-                           parameters={}, inactivity_s=0.0)
-    await asyncio.sleep(0)
-    assert await _cancelled_while_stopping(lambda: lifecycle.finish(call, "bye")) == []
-    assert "call-k1" not in lifecycle.registry and lifecycle.admission.seats() == 0
-    await call.close()
 
 
 # --- the load simulator -----------------------------------------------------------------------
