@@ -353,25 +353,23 @@ async def _start_sip(gateway: Gateway) -> SipEndpoint:
     from gateway.sip.uas import UasConfig
 
     settings = gateway.settings
-    assert settings.sip is not None
-    host, _, port_text = settings.sip.rpartition(":")
-    host = host or "0.0.0.0"
+    bind = settings.sip_bind
+    assert bind is not None
+    host, port = bind
     public_ip = settings.sip_public_ip or ("127.0.0.1" if host == "0.0.0.0" else host)
     authenticator = None
-    if settings.sip_users is not None:
-        users = dict(entry.split(":", 1) for entry in
-                     settings.sip_users.get_secret_value().split(",") if ":" in entry)
+    users = settings.sip_user_table
+    if users is not None:
         authenticator = DigestAuthenticator(settings.sip_realm, users, secret=os.urandom(32))
-    low, _, high = settings.rtp_ports.partition("-")
-    config = UasConfig(local_ip=public_ip, local_port=int(port_text),
-                       allow=[c.strip() for c in settings.sip_allow.split(",") if c.strip()],
+    config = UasConfig(local_ip=public_ip, local_port=port,
+                       allow=settings.sip_allow_networks,
                        max_calls=settings.max_calls, authenticator=authenticator,
                        t1=settings.sip_t1_ms / 1000)
     endpoint = SipEndpoint(gateway.lifecycle, config, metrics=gateway.metrics,
-                           rtp_ports=range(int(low), int(high or low) + 1),
+                           rtp_ports=settings.rtp_port_range,
                            answer_delay_s=settings.sip_answer_delay_ms / 1000,
                            rtp_timeout_s=settings.sip_rtp_timeout_s)
-    await endpoint.start(host, int(port_text))
+    await endpoint.start(host, port)
     return endpoint
 
 

@@ -44,10 +44,14 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
 
 def _settings(**overrides: object) -> Settings:
     values = {k: v for k, v in overrides.items() if v is not None}
+    from pydantic import ValidationError
+
+    from gateway.config import settings_error
+
     try:
         return Settings(**values)  # type: ignore[arg-type]
-    except Exception as exc:  # pydantic's ValidationError: print it as one message
-        raise GatewayError(f"invalid settings: {exc}") from None
+    except ValidationError as exc:
+        raise GatewayError(f"invalid settings: {settings_error(exc)}") from None
 
 
 @app.command()
