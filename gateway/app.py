@@ -266,7 +266,7 @@ def create_app(
     app.state.gateway = gateway
     # Webhook bodies are read whole before their signature can be checked: cap size and time.
     app.add_middleware(RequestLimits, max_body_bytes=settings.max_request_bytes,
-                       timeout_s=settings.http_request_timeout_s)
+                       timeout_s=settings.http_request_timeout_s, metrics=metrics)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, object]:
