@@ -45,7 +45,7 @@ from gateway.demo import GreeterDialogs
 from gateway.errors import GatewayError
 from gateway.http_limits import RequestLimits
 from gateway.ivr.cache import PromptCache
-from gateway.ivr.prompts import ResolvedVoice, render_missing, resolve_voice
+from gateway.ivr.prompts import ResolvedVoice, audio_identity, render_missing, resolve_voice
 from gateway.ivr.runner import IvrDialogs, RunnerContext, load_sound
 from gateway.ivr.script import Script, load_script
 from gateway.ivr.voices import VoiceRegistry
@@ -384,6 +384,7 @@ async def _prepare_ivr(gateway: Gateway, engine: Engine, speaker: Speaker) -> No
         model_fingerprint=engine.fingerprint,
         voice_identity=gateway.voice.identity,
         speaker=speaker,
+        audio=audio_identity(engine, conditioning(settings)),
         clock=gateway.clock,
         sounds={name: load_sound(script_dir(script) / name) for name in script_sounds(script)},
     )

@@ -322,7 +322,13 @@ def prompts_render(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gateway.ivr.cache import PromptCache
-    from gateway.ivr.prompts import prompt_key, render_blocking, request_for, resolve_voice
+    from gateway.ivr.prompts import (
+        audio_identity,
+        prompt_key,
+        render_blocking,
+        request_for,
+        resolve_voice,
+    )
     from gateway.ivr.script import ScriptError, load_script
     from gateway.tts.qwen import QwenEngine
 
@@ -339,13 +345,14 @@ def prompts_render(
     engine = QwenEngine(model=settings.model, device=settings.device, dtype=settings.dtype,
                         codec_decode=settings.codec_decode, trim_leading_silence=False)
     phone = conditioning(settings)
+    audio = audio_identity(engine, phone)
     cache = PromptCache(settings.cache_dir, max_memory_bytes=1)
     todo = []
     hits = 0
     for script in scripts:
         voice = resolve_voice(script, settings.voices_dir)
         for text in script.static_sentences():
-            key = prompt_key(script, engine.fingerprint, voice.identity, text)
+            key = prompt_key(script, engine.fingerprint, voice.identity, text, audio)
             if cache.on_disk(key):
                 hits += 1
             else:
