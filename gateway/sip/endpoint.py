@@ -16,6 +16,7 @@ audio (in the call's codec, decoded once by the speech detector) and RFC 4733 di
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -406,19 +407,41 @@ class SipEndpoint:
         self._apply(self.core.hangup(key, self.clock.now(), reason))
 
     async def transfer(self, key: str, target: str) -> None:
-        """REFER the caller to ``target``; hang up once it is accepted (or refused)."""
+        """REFER the caller to ``target``; hang up once it is accepted (or refused).
+
+        One REFER at a time per call: the outcome (:class:`~gateway.sip.uas.TransferDone`)
+        names the dialog, not the REFER, so a second one's NOTIFY could not be told from the
+        first's. A second transfer while one is pending sends nothing and returns with the
+        first one's outcome (it used to replace the first one's future, which then waited out
+        the whole 32 s).
+        """
+        pending = self._transfers.get(key)
+        if pending is not None:
+            log.warning("sip call %s: transfer to %s while a transfer is pending; it waits for "
+                        "that one", key[:24], target)
+            with contextlib.suppress(TimeoutError):
+                # Shielded: this waiter giving up must not cancel the first one's outcome.
+                await self.clock.wait_for(asyncio.shield(pending), TRANSFER_TIMEOUT_S)
+            return
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._transfers[key] = future
-        effects = self.core.refer(key, target, self.clock.now())
-        if not effects:
-            self._transfers.pop(key, None)
-            self.hangup(key)
-            return
-        self._apply(effects)
         try:
-            accepted = await self.clock.wait_for(future, TRANSFER_TIMEOUT_S)
-        except TimeoutError:
-            accepted = False
+            effects = self.core.refer(key, target, self.clock.now())
+            if not effects:
+                self.hangup(key)
+                return
+            self._apply(effects)
+            try:
+                accepted = await self.clock.wait_for(asyncio.shield(future), TRANSFER_TIMEOUT_S)
+            except TimeoutError:
+                accepted = False
+        finally:
+            # Whatever ended this wait (an outcome, the timeout, our cancellation), the transfer
+            # is over: forget it, and release anyone waiting on it with "not accepted".
+            if self._transfers.get(key) is future:
+                del self._transfers[key]
+            if not future.done():
+                future.set_result(False)
         if not accepted:
             # Documented limitation: a peer that refuses REFER cannot be transferred by this
             # endpoint (no B2BUA bridging); the caller is hung up with a log line.
