@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -206,11 +207,14 @@ def create_app(
     dialog: Dialog | None = None,
     *,
     clock: Clock | None = None,
+    sip_socket: socket.socket | None = None,
 ) -> FastAPI:
     """Build the gateway app. The engine loads in the background once the server starts.
 
     ``dialog`` runs every call instead of the script or greeter; ``clock`` replaces real time
-    (tests drive a virtual clock through it).
+    (tests drive a virtual clock through it); ``sip_socket``: the UDP socket ``GATEWAY_SIP``
+    names, bound by the caller (``gateway serve`` binds it before anything else, so a port in
+    use stops it with one line before the model is touched).
     """
     clock = clock if clock is not None else SystemClock()
     token = settings.twilio_auth_token.get_secret_value() if settings.twilio_auth_token else None
@@ -247,11 +251,12 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loader = asyncio.create_task(_load(gateway, engine_factory))
         if settings.sip:
             # Bound at once: until the engine is ready, INVITEs get 503 (a SIP proxy probing
-            # with OPTIONS still sees the endpoint alive).
-            gateway.sip = await _start_sip(gateway)
+            # with OPTIONS still sees the endpoint alive). Before the engine starts loading: a
+            # bind that fails stops start-up with no load thread left running behind it.
+            gateway.sip = await _start_sip(gateway, sip_socket)
+        loader = asyncio.create_task(_load(gateway, engine_factory))
         try:
             yield
         finally:
@@ -348,7 +353,7 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
              speech.capacity, clock.now() - t0)
 
 
-async def _start_sip(gateway: Gateway) -> SipEndpoint:
+async def _start_sip(gateway: Gateway, sock: socket.socket | None) -> SipEndpoint:
     from gateway.sip.digest import DigestAuthenticator
     from gateway.sip.uas import UasConfig
 
@@ -369,7 +374,7 @@ async def _start_sip(gateway: Gateway) -> SipEndpoint:
                            rtp_ports=settings.rtp_port_range,
                            answer_delay_s=settings.sip_answer_delay_ms / 1000,
                            rtp_timeout_s=settings.sip_rtp_timeout_s)
-    await endpoint.start(host, port)
+    await endpoint.start(host, port, sock=sock)
     return endpoint
 
 

@@ -92,9 +92,20 @@ def serve(
         )
     from gateway.ivr.script import ScriptError
 
+    sip_socket = None
+    if settings.sip_bind is not None:
+        from gateway.sip.endpoint import bind_udp
+
+        # First: a port in use is one line (ConfigError) before the script, the cache or the
+        # model is touched, and nothing is left loading behind it.
+        sip_socket = bind_udp(*settings.sip_bind)
     try:
-        fastapi_app = create_app(settings)
-    except ScriptError as exc:
+        fastapi_app = create_app(settings, sip_socket=sip_socket)
+    except BaseException as exc:
+        if sip_socket is not None:
+            sip_socket.close()
+        if not isinstance(exc, ScriptError):
+            raise
         for diagnostic in exc.diagnostics:
             typer.echo(f"{diagnostic.file}:{diagnostic.line}:{diagnostic.column}: error: "
                        f"{diagnostic.message}", err=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from gateway.call.events import CallOutcome, Codec, TransferTo
 from gateway.call.lifecycle import CallLifecycle
 from gateway.call.playout import PlayoutPolicy
 from gateway.call.session import Call
+from gateway.errors import ConfigError
 from gateway.metrics import Metrics
 from gateway.sip.rtp import DtmfReceiver, RtpError, RtpPacket, RtpReceiverStats, RtpSender
 from gateway.sip.sdp import Answer
@@ -65,6 +67,26 @@ RTP_PLAYOUT = PlayoutPolicy(
 
 #: How long a REFER may wait for its final NOTIFY before the caller is hung up (64*T1).
 TRANSFER_TIMEOUT_S = 32.0
+
+
+def bind_udp(host: str, port: int, variable: str = "GATEWAY_SIP") -> socket.socket:
+    """A UDP socket bound to ``host:port``, or a :class:`~gateway.errors.ConfigError` that
+    says which setting to change (the port is taken, the address is not this host's)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_DGRAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"cannot bind the SIP endpoint to udp {host}:{port} ({variable}): "
+                          f"{exc.strerror or exc}") from None
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot bind the SIP endpoint to udp {host}:{port} ({variable}): "
+                          f"{exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
 
 
 class _Udp(asyncio.DatagramProtocol):
@@ -247,11 +269,16 @@ class SipEndpoint:
 
     # --- lifecycle ----------------------------------------------------------------------------
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
+    async def start(self, host: str, port: int, *,
+                    sock: socket.socket | None = None) -> tuple[str, int]:
+        """Serve SIP on ``sock`` (already bound, :func:`bind_udp`), else bind ``host:port``
+        (:class:`~gateway.errors.ConfigError` when that fails)."""
         loop = asyncio.get_running_loop()
         self.loop = loop
-        transport, _ = await loop.create_datagram_endpoint(
-            lambda: _Udp(self._on_sip), local_addr=(host, port))
+        if sock is None:
+            sock = bind_udp(host, port)
+        transport, _ = await loop.create_datagram_endpoint(lambda: _Udp(self._on_sip),
+                                                           sock=sock)
         self._sock = transport
         self.local_addr = transport.get_extra_info("sockname")[:2]
         if self.config.local_port == 0:
