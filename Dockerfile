@@ -90,14 +90,17 @@ ARG PROMPT_SCRIPTS="prompts/demo.yaml"
 COPY --from=weights /models /models
 COPY prompts ./prompts
 # On the CPU: a build has no GPU. A cache key holds the model's fingerprint, a digest of the weight
-# files at GATEWAY_MODEL (not the device), so rendering from the same /models path finds every
-# prompt again at run time. HF_HUB_OFFLINE proves nothing is fetched. Scripts with a cloned voice
-# need the voices registry, which is not in the image: their prompts render at start-up instead.
+# files at GATEWAY_MODEL (not the device), and the settings that change the audio, the dtype among
+# them: rendering from the same /models path in the dtype the GPU runs (bfloat16, about twice as
+# slow as float32 on a CPU) finds every prompt again at run time. HF_HUB_OFFLINE proves nothing
+# is fetched. Scripts with a cloned voice need the voices registry, which is not in the image:
+# their prompts render at start-up instead.
 RUN set -e; \
     mkdir -p /var/cache/gateway/prompts; \
     for script in $PROMPT_SCRIPTS; do \
         gateway prompts validate "$script"; \
-        HF_HUB_OFFLINE=1 gateway prompts render "$script" --model "/models/$MODEL_ID" \
+        HF_HUB_OFFLINE=1 GATEWAY_DTYPE=bfloat16 gateway prompts render "$script" \
+            --model "/models/$MODEL_ID" \
             --device cpu --cache-dir /var/cache/gateway/prompts; \
     done
 
@@ -130,7 +133,8 @@ WORKDIR /app
 # Settings the image decides (gateway/config.py); the rest, secrets above all
 # (GATEWAY_TWILIO_AUTH_TOKEN, GATEWAY_SIP_USERS), come from the environment at run time.
 # GATEWAY_DEVICE=cuda: a replica without a GPU fails its load (/readyz says why) instead of
-# serving callers at 0.15x real time. HF_HUB_OFFLINE: the weights are here; never reach the hub.
+# serving callers at 0.15x real time. GATEWAY_DTYPE: the dtype the prompts were rendered in.
+# HF_HUB_OFFLINE: the weights are here; never reach the hub.
 ENV GATEWAY_MODEL=/models/$MODEL_ID \
     GATEWAY_SCRIPT=/app/$SCRIPT \
     GATEWAY_CACHE_DIR=/var/cache/gateway/prompts \
@@ -138,6 +142,7 @@ ENV GATEWAY_MODEL=/models/$MODEL_ID \
     GATEWAY_HOST=0.0.0.0 \
     GATEWAY_PORT=8080 \
     GATEWAY_DEVICE=cuda \
+    GATEWAY_DTYPE=bfloat16 \
     HF_HUB_OFFLINE=1
 
 # HTTP (Twilio webhooks + Media Streams WebSocket, /healthz /readyz /metrics); SIP over UDP and the

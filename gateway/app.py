@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from gateway.demo import GreeterDialogs
 from gateway.errors import GatewayError
 from gateway.http_limits import RequestLimits
 from gateway.ivr.cache import PromptCache
-from gateway.ivr.prompts import ResolvedVoice, render_missing, resolve_voice
+from gateway.ivr.prompts import ResolvedVoice, audio_identity, render_missing, resolve_voice
 from gateway.ivr.runner import IvrDialogs, RunnerContext, load_sound
 from gateway.ivr.script import Script, load_script
 from gateway.ivr.voices import VoiceRegistry
@@ -206,11 +207,14 @@ def create_app(
     dialog: Dialog | None = None,
     *,
     clock: Clock | None = None,
+    sip_socket: socket.socket | None = None,
 ) -> FastAPI:
     """Build the gateway app. The engine loads in the background once the server starts.
 
     ``dialog`` runs every call instead of the script or greeter; ``clock`` replaces real time
-    (tests drive a virtual clock through it).
+    (tests drive a virtual clock through it); ``sip_socket``: the UDP socket ``GATEWAY_SIP``
+    names, bound by the caller (``gateway serve`` binds it before anything else, so a port in
+    use stops it with one line before the model is touched).
     """
     clock = clock if clock is not None else SystemClock()
     token = settings.twilio_auth_token.get_secret_value() if settings.twilio_auth_token else None
@@ -247,11 +251,12 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loader = asyncio.create_task(_load(gateway, engine_factory))
         if settings.sip:
             # Bound at once: until the engine is ready, INVITEs get 503 (a SIP proxy probing
-            # with OPTIONS still sees the endpoint alive).
-            gateway.sip = await _start_sip(gateway)
+            # with OPTIONS still sees the endpoint alive). Before the engine starts loading: a
+            # bind that fails stops start-up with no load thread left running behind it.
+            gateway.sip = await _start_sip(gateway, sip_socket)
+        loader = asyncio.create_task(_load(gateway, engine_factory))
         try:
             yield
         finally:
@@ -266,7 +271,7 @@ def create_app(
     app.state.gateway = gateway
     # Webhook bodies are read whole before their signature can be checked: cap size and time.
     app.add_middleware(RequestLimits, max_body_bytes=settings.max_request_bytes,
-                       timeout_s=settings.http_request_timeout_s)
+                       timeout_s=settings.http_request_timeout_s, metrics=metrics)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, object]:
@@ -351,30 +356,28 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
              speech.capacity, clock.now() - t0)
 
 
-async def _start_sip(gateway: Gateway) -> SipEndpoint:
+async def _start_sip(gateway: Gateway, sock: socket.socket | None) -> SipEndpoint:
     from gateway.sip.digest import DigestAuthenticator
     from gateway.sip.uas import UasConfig
 
     settings = gateway.settings
-    assert settings.sip is not None
-    host, _, port_text = settings.sip.rpartition(":")
-    host = host or "0.0.0.0"
+    bind = settings.sip_bind
+    assert bind is not None
+    host, port = bind
     public_ip = settings.sip_public_ip or ("127.0.0.1" if host == "0.0.0.0" else host)
     authenticator = None
-    if settings.sip_users is not None:
-        users = dict(entry.split(":", 1) for entry in
-                     settings.sip_users.get_secret_value().split(",") if ":" in entry)
+    users = settings.sip_user_table
+    if users is not None:
         authenticator = DigestAuthenticator(settings.sip_realm, users, secret=os.urandom(32))
-    low, _, high = settings.rtp_ports.partition("-")
-    config = UasConfig(local_ip=public_ip, local_port=int(port_text),
-                       allow=[c.strip() for c in settings.sip_allow.split(",") if c.strip()],
+    config = UasConfig(local_ip=public_ip, local_port=port,
+                       allow=settings.sip_allow_networks,
                        max_calls=settings.max_calls, authenticator=authenticator,
                        t1=settings.sip_t1_ms / 1000)
     endpoint = SipEndpoint(gateway.lifecycle, config, metrics=gateway.metrics,
-                           rtp_ports=range(int(low), int(high or low) + 1),
+                           rtp_ports=settings.rtp_port_range,
                            answer_delay_s=settings.sip_answer_delay_ms / 1000,
                            rtp_timeout_s=settings.sip_rtp_timeout_s)
-    await endpoint.start(host, int(port_text))
+    await endpoint.start(host, port, sock=sock)
     return endpoint
 
 
@@ -389,6 +392,7 @@ async def _prepare_ivr(gateway: Gateway, engine: Engine, speaker: Speaker) -> No
         model_fingerprint=engine.fingerprint,
         voice_identity=gateway.voice.identity,
         speaker=speaker,
+        audio=audio_identity(engine, conditioning(settings)),
         clock=gateway.clock,
         sounds={name: load_sound(script_dir(script) / name) for name in script_sounds(script)},
     )

@@ -101,10 +101,14 @@ def _require_model(model: str) -> None:
 
 def _settings(**overrides: object) -> Settings:
     values = {k: v for k, v in overrides.items() if v is not None}
+    from pydantic import ValidationError
+
+    from gateway.config import settings_error
+
     try:
         return Settings(**values)  # type: ignore[arg-type]
-    except Exception as exc:  # pydantic's ValidationError: print it as one message
-        raise GatewayError(f"invalid settings: {exc}") from None
+    except ValidationError as exc:
+        raise GatewayError(f"invalid settings: {settings_error(exc)}") from None
 
 
 @app.command()
@@ -145,9 +149,20 @@ def serve(
         )
     from gateway.ivr.script import ScriptError
 
+    sip_socket = None
+    if settings.sip_bind is not None:
+        from gateway.sip.endpoint import bind_udp
+
+        # First: a port in use is one line (ConfigError) before the script, the cache or the
+        # model is touched, and nothing is left loading behind it.
+        sip_socket = bind_udp(*settings.sip_bind)
     try:
-        fastapi_app = create_app(settings)
-    except ScriptError as exc:
+        fastapi_app = create_app(settings, sip_socket=sip_socket)
+    except BaseException as exc:
+        if sip_socket is not None:
+            sip_socket.close()
+        if not isinstance(exc, ScriptError):
+            raise
         for diagnostic in exc.diagnostics:
             typer.echo(f"{diagnostic.file}:{diagnostic.line}:{diagnostic.column}: error: "
                        f"{diagnostic.message}", err=True)
@@ -376,7 +391,13 @@ def prompts_render(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gateway.ivr.cache import PromptCache
-    from gateway.ivr.prompts import pcm_from_chunks, prompt_key, request_for, resolve_voice
+    from gateway.ivr.prompts import (
+        audio_identity,
+        pcm_from_chunks,
+        prompt_key,
+        request_for,
+        resolve_voice,
+    )
     from gateway.ivr.script import ScriptError, load_script
     from gateway.tts.service import SpeechService
 
@@ -396,13 +417,14 @@ def prompts_render(
     engines = default_engine_factory(settings)
     fingerprint = engines[0].fingerprint
     phone = conditioning(settings)
+    audio = audio_identity(engines[0], phone)
     cache = PromptCache(settings.cache_dir, max_memory_bytes=1)
     todo = []
     hits = 0
     for script in scripts:
         voice = resolve_voice(script, settings.voices_dir)
         for text in script.static_sentences():
-            key = prompt_key(script, fingerprint, voice.identity, text)
+            key = prompt_key(script, fingerprint, voice.identity, text, audio)
             if cache.on_disk(key):
                 hits += 1
             else:

@@ -6,11 +6,13 @@ the CLI overrides a few of them with flags. See the configuration table in the R
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.errors import ConfigError
@@ -20,7 +22,10 @@ class Settings(BaseSettings):
     """Gateway settings (env prefix ``GATEWAY_``)."""
 
     model_config = SettingsConfigDict(
-        env_prefix="GATEWAY_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+        env_prefix="GATEWAY_", env_file=".env", env_file_encoding="utf-8", extra="ignore",
+        # A rejected value is never echoed (GATEWAY_SIP_USERS holds passwords); each message
+        # says what is wrong instead.
+        hide_input_in_errors=True,
     )
 
     host: str = Field("0.0.0.0", description="Address the HTTP/WebSocket server binds.")
@@ -235,6 +240,59 @@ class Settings(BaseSettings):
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
 
+    # The SIP settings are strings in the environment; each is checked here, once, so a bad
+    # value stops start-up naming its variable (an inverted RTP range used to give every call
+    # a 503, a user without ':' was dropped silently), and the endpoint reads them parsed.
+
+    @field_validator("sip")
+    @classmethod
+    def _check_sip(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        host, port = _host_port(value, "GATEWAY_SIP")
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    @field_validator("sip_allow")
+    @classmethod
+    def _check_sip_allow(cls, value: str) -> str:
+        networks = []
+        for entry in value.split(","):
+            entry = entry.strip()
+            if not entry:
+                continue
+            try:
+                networks.append(str(ipaddress.ip_network(entry, strict=False)))
+            except ValueError:
+                raise ValueError(f"GATEWAY_SIP_ALLOW: {entry!r} is not an address or CIDR "
+                                 "(e.g. 203.0.113.0/24)") from None
+        if not networks:
+            raise ValueError("GATEWAY_SIP_ALLOW lists no network: every INVITE would get 403")
+        return ",".join(networks)
+
+    @field_validator("rtp_ports")
+    @classmethod
+    def _check_rtp_ports(cls, value: str) -> str:
+        match = re.fullmatch(r"\s*([0-9]{1,5})\s*(?:-\s*([0-9]{1,5})\s*)?", value)
+        if match is None:
+            raise ValueError(f"GATEWAY_RTP_PORTS must be a range low-high such as "
+                             f"20000-20999, not {value!r}")
+        low = int(match.group(1))
+        high = int(match.group(2) or low)
+        if not 1024 <= low <= 65535 or not 1024 <= high <= 65535:
+            raise ValueError(f"GATEWAY_RTP_PORTS {low}-{high}: ports must be 1024-65535")
+        if low > high:
+            raise ValueError(f"GATEWAY_RTP_PORTS {low}-{high} is inverted: the low port comes "
+                             "first")
+        return f"{low}-{high}"
+
+    @field_validator("sip_users")
+    @classmethod
+    def _check_sip_users(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        _users(value.get_secret_value())
+        return value
+
     @field_validator("public_url")
     @classmethod
     def _check_public_url(cls, value: str | None) -> str | None:
@@ -244,6 +302,29 @@ class Settings(BaseSettings):
         if parts.scheme not in ("https", "http") or not parts.netloc:
             raise ValueError("public_url must look like https://ivr.example.com")
         return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+
+    @property
+    def sip_bind(self) -> tuple[str, int] | None:
+        """Where the SIP endpoint binds (``GATEWAY_SIP``), or None for no SIP."""
+        return None if self.sip is None else _host_port(self.sip, "GATEWAY_SIP")
+
+    @property
+    def sip_allow_networks(self) -> list[str]:
+        """The CIDRs of ``GATEWAY_SIP_ALLOW``."""
+        return self.sip_allow.split(",")
+
+    @property
+    def rtp_port_range(self) -> range:
+        """The ports of ``GATEWAY_RTP_PORTS``, both ends included."""
+        low, _, high = self.rtp_ports.partition("-")
+        return range(int(low), int(high) + 1)
+
+    @property
+    def sip_user_table(self) -> dict[str, str] | None:
+        """``GATEWAY_SIP_USERS`` as user -> password (None: no digest authentication)."""
+        if self.sip_users is None:
+            return None
+        return _users(self.sip_users.get_secret_value())
 
     def require_security(self) -> None:
         """Refuse to run without a Twilio auth token unless ``insecure`` was asked for."""
@@ -255,3 +336,48 @@ class Settings(BaseSettings):
                 "without validation on a trusted network"
             )
 
+
+
+def _host_port(value: str, variable: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` (an empty host: every interface)."""
+    text = value.strip()
+    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:([0-9]{1,5})|([^:\[\]\s]*):([0-9]{1,5})", text)
+    if match is None:
+        raise ValueError(f"{variable} must be host:port such as 0.0.0.0:5060, not {value!r}")
+    host = match.group(1) or match.group(3) or "0.0.0.0"
+    port = int(match.group(2) or match.group(4))
+    if port > 65535:
+        raise ValueError(f"{variable}: port {port} is over 65535")
+    if match.group(1) is not None:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{variable}: {host!r} is not an IPv6 address") from None
+    elif not re.fullmatch(r"[A-Za-z0-9.\-]+", host):
+        raise ValueError(f"{variable}: {host!r} is not a host name or address")
+    return host, port
+
+
+def _users(value: str) -> dict[str, str]:
+    """``name:password,...``; every entry needs both (the password is never in a message)."""
+    users: dict[str, str] = {}
+    for number, entry in enumerate(value.split(","), 1):
+        name, colon, password = entry.strip().partition(":")
+        if not colon or not name or not password:
+            raise ValueError(f"GATEWAY_SIP_USERS entry {number} is not name:password "
+                             f"(user {name.strip() or '?'!r})")
+        if name in users:
+            raise ValueError(f"GATEWAY_SIP_USERS lists user {name!r} twice")
+        users[name] = password
+    return users
+
+
+def settings_error(exc: ValidationError) -> str:
+    """One line per rejected setting, each naming its environment variable."""
+    lines = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"]) or "?"
+        message = error["msg"].removeprefix("Value error, ")
+        variable = f"GATEWAY_{field.upper()}"
+        lines.append(message if message.startswith(variable) else f"{variable}: {message}")
+    return "; ".join(lines)

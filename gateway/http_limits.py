@@ -5,6 +5,10 @@
   as a chunked body passes the limit): Starlette's ``request.form()`` would otherwise buffer any
   size before the signature check could refuse it. A body that does not arrive within
   ``GATEWAY_HTTP_REQUEST_TIMEOUT_S`` gets 408 (a slow-body "R-U-Dead-Yet" client).
+- A client that announces a body and goes away before sending it all (a dropped connection,
+  a scanner) is one short log line and ``gateway_http_aborted_requests_total``; Starlette's
+  ``ClientDisconnect`` from reading the form would otherwise reach uvicorn as an ASGI error, a
+  68-line traceback per 100-byte request, before any signature check.
 - :func:`guarded_http_protocol`: uvicorn arms its keep-alive timer only after a response, so a
   client that connects and then sends nothing, or its header section one byte at a time
   (slowloris), holds a socket forever, and with httptools a header section may grow without
@@ -23,10 +27,13 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from starlette.requests import ClientDisconnect
+
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from gateway.config import Settings
+    from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +52,12 @@ class _Refused(Exception):
 class RequestLimits:
     """ASGI middleware: cap HTTP request bodies by size (413) and by time to arrive (408)."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, timeout_s: float,
+                 metrics: Metrics | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.timeout_s = timeout_s
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -93,6 +102,14 @@ class RequestLimits:
             if started:
                 raise
             await self._refuse(scope, send, refused)
+        except ClientDisconnect:
+            # The client is gone: nobody to answer, nothing wrong with the server.
+            client = scope.get("client")
+            log.info("%s %s from %s: client went away after %d of %s body bytes",
+                     scope.get("method"), scope.get("path"), client[0] if client else "?",
+                     received, length if length is not None else "?")
+            if self.metrics is not None:
+                self.metrics.http_aborted.inc()
 
     async def _refuse(self, scope: Scope, send: Send, refused: _Refused) -> None:
         client = scope.get("client")

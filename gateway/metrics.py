@@ -82,6 +82,11 @@ class Metrics:
             ["endpoint"],
             registry=r,
         )
+        self.http_aborted = Counter(
+            "gateway_http_aborted_requests_total",
+            "HTTP requests whose client went away before sending the body it announced.",
+            registry=r,
+        )
         self.tts_busy_slots = Gauge(
             "gateway_tts_busy_slots",
             "Turns generating now (batch rows in use, or engine slots busy).", registry=r

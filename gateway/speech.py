@@ -36,8 +36,10 @@ class Speaker:
         self.speech = speech
         self.voice = voice
 
-    def request(self, text: str, call_id: str, utterance_id: str) -> SpeechRequest:
-        voice = self.voice
+    def request(self, text: str, call_id: str, utterance_id: str,
+                voice: Voice | None = None) -> SpeechRequest:
+        """The request for ``text`` in ``voice`` (default: this speaker's)."""
+        voice = voice if voice is not None else self.voice
         return SpeechRequest(
             text=text,
             speaker=voice.speaker,
@@ -49,11 +51,14 @@ class Speaker:
         )
 
     def say(self, call: Call, text: str, *, turn_started_at: float | None = None,
-            capture: bool = False) -> Utterance:
-        """Start ``call`` saying ``text`` (live generation); returns at once with the handle."""
+            capture: bool = False, voice: Voice | None = None) -> Utterance:
+        """Start ``call`` saying ``text`` (live generation); returns at once with the handle.
+
+        ``voice``: a variant of this speaker's voice for this sentence (the IVR runner renders
+        a sentence it will cache with the script's seed)."""
 
         def open_stream(utterance: Utterance) -> AudioStream:
-            return self.speech.stream(self.request(text, call.call_id, utterance.id),
+            return self.speech.stream(self.request(text, call.call_id, utterance.id, voice),
                                       turn_started_at=utterance.turn_started_at)
 
         return call.speak(text, open_stream, turn_started_at=turn_started_at, capture=capture)

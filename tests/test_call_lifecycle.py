@@ -202,6 +202,27 @@ async def test_start_runs_the_dialog_chosen_for_the_call_and_finish_frees_everyt
     assert len(dialogs.hangups) == 1
 
 
+async def test_a_finish_cancelled_midway_still_frees_the_seat_and_is_not_swallowed(rig) -> None:  # type: ignore[no-untyped-def]
+    """A shutdown cancelling whoever is finishing a call (while it waits for the call's tasks
+    to stop): the cancellation reaches it, and the call is still forgotten, its seat free."""
+    clock, lifecycle, _, _ = rig
+    call, _ = _start(lifecycle, clock)
+    await clock.advance(0)
+    after: list[str] = []
+
+    async def finisher() -> None:
+        await lifecycle.finish(call, "bye")
+        after.append("carried on after its own cancellation")
+
+    task = asyncio.create_task(finisher())
+    await asyncio.sleep(0)  # it waits for the call's playout to stop
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not after
+    assert "call-k1" not in lifecycle.registry and lifecycle.admission.seats() == 0
+
+
 async def test_a_dialog_bug_hangs_up_its_own_call_only(rig) -> None:  # type: ignore[no-untyped-def]
     clock, lifecycle, dialogs, _ = rig
     dialogs.crash.add("call-bug")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +83,46 @@ def test_serve_exits_nonzero_when_the_model_cannot_load(
     )
     assert code == 1
     assert f"local directory {missing} does not exist" in capsys.readouterr().err
+
+
+def test_serve_with_the_sip_port_taken_stops_with_one_line_and_loads_nothing(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It used to start loading the model, then fail the bind inside uvicorn's lifespan (a
+    traceback), exit 0 and leave the load thread running."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        threads = set(threading.enumerate())
+        t0 = time.monotonic()
+        code = main(["serve", "--insecure", "--host", "127.0.0.1", "--port", "0",
+                     "--model", str(tiny_model_dir), "--sip", f"127.0.0.1:{port}"])
+        took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 1
+    errors = [line for line in err.splitlines() if "--insecure" not in line]
+    assert errors == [f"error: cannot bind the SIP endpoint to udp 127.0.0.1:{port} "
+                      "(GATEWAY_SIP): Address already in use"], err
+    assert set(threading.enumerate()) <= threads  # no model-loading thread left behind
+    assert took < 5, f"{took:.1f} s: something was loaded first"
+
+
+async def test_a_sip_bind_failure_in_the_lifespan_starts_no_model_load() -> None:
+    from gateway.app import create_app
+    from gateway.config import Settings
+    from gateway.errors import ConfigError
+
+    loads: list[object] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        app = create_app(Settings(insecure=True, device="cpu", sip=f"127.0.0.1:{port}"),
+                         lambda settings: loads.append(settings) or [])
+        with pytest.raises(ConfigError, match=f"udp 127.0.0.1:{port} \\(GATEWAY_SIP\\)"):
+            async with app.router.lifespan_context(app):
+                pass
+    loaders = [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "_load"]  # type: ignore[union-attr]
+    assert not loaders and not loads
 
 
 def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:

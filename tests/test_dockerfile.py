@@ -380,6 +380,13 @@ def check_prerendered_prompts(df: Dockerfile, repo: Path = REPO) -> list[str]:
                         f"{env.get('GATEWAY_MODEL')} (the cache key holds the model fingerprint)")
     if option(words, "--device") != "cpu":
         problems.append(f"line {run.line}: render without --device cpu (a build has no GPU)")
+    rendered_dtype = next((w.split("=", 1)[1] for w in words if w.startswith("GATEWAY_DTYPE=")),
+                          "auto")
+    if rendered_dtype == "auto" or rendered_dtype != env.get("GATEWAY_DTYPE", "auto"):
+        # auto is float32 on the build's CPU and bfloat16 on the GPU: other audio, other keys.
+        problems.append(f"line {run.line}: rendered with GATEWAY_DTYPE={rendered_dtype}, but "
+                        f"GATEWAY_DTYPE={env.get('GATEWAY_DTYPE', 'auto')} at run time (the "
+                        "cache key holds the dtype)")
     script = env.get("GATEWAY_SCRIPT", "")
     if not any(script.endswith("/" + s.removeprefix("./")) for s in scripts):
         problems.append(f"GATEWAY_SCRIPT={script} is not among PROMPT_SCRIPTS {scripts}")
@@ -622,6 +629,10 @@ VARIANTS = [
     V("prerendered_prompts", "other_model", '--model "/models/$MODEL_ID"', "--model tiny",
       "fingerprint"),
     V("prerendered_prompts", "on_gpu", "--device cpu", "--device cuda", "--device cpu"),
+    V("prerendered_prompts", "cpu_dtype", "HF_HUB_OFFLINE=1 GATEWAY_DTYPE=bfloat16 gateway",
+      "HF_HUB_OFFLINE=1 gateway", "holds the dtype"),
+    V("prerendered_prompts", "runtime_dtype", "    GATEWAY_DTYPE=bfloat16 \\\n", "",
+      "holds the dtype"),
     V("prerendered_prompts", "missing_script", 'PROMPT_SCRIPTS="prompts/demo.yaml"',
       'PROMPT_SCRIPTS="prompts/nope.yaml"', "not in the repository"),
     V("prerendered_prompts", "other_runtime_script", "ARG SCRIPT=prompts/demo.yaml",

@@ -11,7 +11,9 @@ in random bytes. What is checked, per datagram:
 - parsers: the result is a parsed value that round-trips, or the module's one documented error
   with an allowed status; nothing else escapes;
 - the UAS core (:meth:`UasCore.receive` / ``tick`` / ``answer`` / ``hangup`` / ``refer`` in
-  virtual time): never raises; everything it sends parses as SIP; a datagram from a disallowed
+  virtual time): never raises; everything it sends parses as SIP (an answer to a malformed
+  request may lack, or repeat the defects of, only the From/To/Call-ID/CSeq its request got
+  wrong: RFC 4475 3.1.2.18 wants it answered anyway); a datagram from a disallowed
   address changes no state and gets at most a stateless 403; active calls never exceed
   ``max_calls``; the response cache stays under its bound; once every call is hung up and the
   timers have run out, no dialog, transaction or cached response is left.
@@ -470,7 +472,8 @@ class UasRun:
                 try:
                     parse_message(effect.data)
                 except SipParseError as exc:
-                    self.tally.fail(f"the core sent unparseable SIP ({exc})", effect.data)
+                    if not answers_a_malformed_request(effect.data, data):
+                        self.tally.fail(f"the core sent unparseable SIP ({exc})", effect.data)
             elif isinstance(effect, IncomingCall):
                 self.calls += 1
                 roll = rng.random()
@@ -547,9 +550,11 @@ class UasRun:
                 message = None
             after = (len(core.dialogs), dict(core._responses),
                      [d.state for d in core.dialogs.values()])
-            sent = [parse_message(e.data) for e in effects if isinstance(e, SendTo)]
-            if isinstance(message, SipRequest) and (after != before or kinds["IncomingCall"] or any(
-                    not isinstance(r, SipResponse) or r.status != 403 for r in sent)):
+            sent = [_parsed(e.data) for e in effects if isinstance(e, SendTo)]
+            # A malformed request (message None) gets nothing at all from a stranger's view.
+            if not isinstance(message, SipResponse) and (
+                    after != before or kinds["IncomingCall"] or any(
+                        not isinstance(r, SipResponse) or r.status != 403 for r in sent)):
                 self.tally.fail(f"a stranger changed state or got more than a 403: {kinds}",
                                 data)
         label = ("stranger " if stranger else "") + (
@@ -583,6 +588,39 @@ class UasRun:
         if leftovers != (0, 0, None):
             self.tally.fail(f"state left after wind-down: dialogs, responses, deadline = "
                             f"{leftovers}")
+
+
+def _parsed(data: bytes) -> SipRequest | SipResponse | None:
+    try:
+        return parse_message(data)
+    except SipParseError:
+        return None
+
+
+#: The header fields a response copies from its request (RFC 3261 8.2.6.2), Via apart.
+_COPIED = (b"from:", b"to:", b"call-id:", b"cseq:")
+_GOOD_COPIES = [b"From: <sip:a@b>;tag=1", b"To: <sip:c@d>;tag=2", b"Call-ID: x@y",
+                b"CSeq: 1 INVITE"]
+
+
+def answers_a_malformed_request(response: bytes, request: bytes) -> bool:
+    """``response`` is a 4xx/5xx to a ``request`` the parser rejected with that status, and
+    everything in it but the From/To/Call-ID/CSeq copied from that request is valid SIP."""
+    try:
+        parse_message(request)
+        return False
+    except SipParseError as exc:
+        status = exc.status
+    head, _, body = response.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    if not status or not lines[0].startswith(f"SIP/2.0 {status} ".encode()):
+        return False
+    ours = [line for line in lines[1:] if not line.lower().startswith(_COPIED)]
+    try:
+        parse_message(b"\r\n".join([lines[0], *ours, *_GOOD_COPIES]) + b"\r\n\r\n" + body)
+    except SipParseError:
+        return False
+    return True
 
 
 def fuzz_uas(cases: int, seed: int, session: int = 2000) -> tuple[Tally, list[UasRun]]:
@@ -642,6 +680,21 @@ def test_the_uas_harness_reports_a_stranger_that_gets_state() -> None:
         tally.cases += 1
         run.step()
     assert any("stranger" in f for f in tally.failures)
+
+
+def test_the_uas_harness_lets_through_only_what_a_malformed_request_lacked() -> None:
+    no_call_id = (b"INVITE sip:ivr@h SIP/2.0\r\nVia: SIP/2.0/UDP 127.0.0.1;branch=z9hG4bK1\r\n"
+                  b"From: <sip:a@b>;tag=1\r\nTo: <sip:ivr@h>\r\nCSeq: 1 INVITE\r\n\r\n")
+    answer = (b"SIP/2.0 400 Bad Request (missing Call-ID)\r\n"
+              b"Via: SIP/2.0/UDP 127.0.0.1;branch=z9hG4bK1\r\nFrom: <sip:a@b>;tag=1\r\n"
+              b"To: <sip:ivr@h>;tag=2\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n")
+    assert answers_a_malformed_request(answer, no_call_id)
+    # What the core writes itself must still be valid: its Via, its status line.
+    assert not answers_a_malformed_request(answer.replace(b"UDP 127.0.0.1", b"UDP"), no_call_id)
+    assert not answers_a_malformed_request(answer.replace(b" 400 ", b" 200 "), no_call_id)
+    # And only for a request that was malformed.
+    whole = no_call_id.replace(b"CSeq", b"Call-ID: c@h\r\nCSeq")
+    assert not answers_a_malformed_request(answer, whole)
 
 
 @pytest.mark.parametrize("index", range(len(SIPP_TEMPLATES)))

@@ -33,7 +33,7 @@ from gateway.call import Call, CallOutcome, HangUp, Hangup, PlayoutPolicy, Trans
 from gateway.clock import SystemClock
 from gateway.ivr import runner as runner_module
 from gateway.ivr.cache import PromptCache
-from gateway.ivr.prompts import resolve_voice
+from gateway.ivr.prompts import audio_identity, resolve_voice
 from gateway.ivr.runner import MAX_WEBHOOK_BYTES, IvrRunner, RunnerContext
 from gateway.ivr.script import MAX_VALUE_CHARS, Script, ScriptError, parse_script
 from gateway.speech import Speaker, Voice
@@ -170,7 +170,8 @@ def _runner(script: Script, speech: SpeechService, engine: QwenEngine,
     transport.call = call
     context = RunnerContext(script=script, cache=PromptCache(None),
                             model_fingerprint=engine.fingerprint, voice_identity=voice.identity,
-                            speaker=Speaker(speech, Voice(prompt=voice.prompt)), clock=clock,
+                            speaker=Speaker(speech, Voice(prompt=voice.prompt)),
+                            audio=audio_identity(engine, None), clock=clock,
                             http=httpx.AsyncClient())
     base = {"caller": "+15550001111", "called": "+15550002222", "call_id": call.call_id}
     return IvrRunner(call, context, {**base, **(variables or {})}), transport

@@ -16,7 +16,8 @@ from gateway.metrics import Metrics
 
 def key(text: str = "Press 1 for billing.", **overrides: object) -> PromptKey:
     values: dict[str, object] = dict(model="local:abc", voice="speaker:ryan", language="English",
-                                     style=None, text=text, seed=0)
+                                     style=None, text=text, seed=0,
+                                     audio="dtype=float32,decode=incremental;trim=on,level=-20dBFS")
     values.update(overrides)
     return PromptKey(**values)  # type: ignore[arg-type]
 
@@ -37,8 +38,54 @@ def test_key_is_stable_and_covers_everything_that_changes_audio() -> None:
     for change in [dict(model="local:def"), dict(voice="speaker:vivian"),
                    dict(voice="clone:anna:1234"), dict(language="German"), dict(style="warm"),
                    dict(text="Press 2 for billing."), dict(seed=1), dict(sampling="t0.7"),
-                   dict(pipeline="2")]:
+                   dict(pipeline="2"), dict(seed=None),
+                   dict(audio="dtype=bfloat16,decode=incremental;trim=on,level=-20dBFS"),
+                   dict(audio="dtype=float32,decode=windowed;trim=on,level=-20dBFS"),
+                   dict(audio="dtype=float32,decode=incremental;trim=off,level=-20dBFS"),
+                   dict(audio="dtype=float32,decode=incremental;trim=on,level=off"),
+                   dict(audio="dtype=float32,decode=incremental;trim=on,level=-16dBFS")]:
         assert key(**change).digest() != base.digest(), change  # type: ignore[arg-type]
+
+
+def test_an_unseeded_render_is_keyed_as_unseeded_not_as_seed_0(tmp_path: Path) -> None:
+    cache = PromptCache(tmp_path)
+    cache.put(key(seed=None), pcm())
+    assert PromptCache(tmp_path).get(key(seed=0)) is None
+    record = json.loads(next(tmp_path.rglob("*.json")).read_text())
+    assert record["key"]["seed"] is None and record["key"]["audio"] == key().audio
+
+
+def test_the_audio_identity_names_every_setting_that_changes_the_audio() -> None:
+    from gateway.audio.condition import Conditioning
+    from gateway.ivr.prompts import audio_identity
+    from gateway.tts.engine import Engine
+
+    class Rendering(Engine):
+        name = speakers = languages = ""  # type: ignore[assignment]
+
+        def __init__(self, settings: str) -> None:
+            self.settings = settings
+
+        @property
+        def render_settings(self) -> str:
+            return self.settings
+
+        def stream(self, request, should_stop=None):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+    fp32 = Rendering("dtype=float32,decode=incremental")
+    identities = {
+        audio_identity(fp32, Conditioning()),
+        audio_identity(Rendering("dtype=bfloat16,decode=incremental"), Conditioning()),
+        audio_identity(Rendering("dtype=float32,decode=windowed"), Conditioning()),
+        audio_identity(fp32, Conditioning(trim_leading_silence=False)),
+        audio_identity(fp32, Conditioning(normalize_level=False)),
+        audio_identity(fp32, Conditioning(target_dbfs=-16.0)),
+        audio_identity(fp32, None),
+    }
+    assert len(identities) == 7
+    assert audio_identity(fp32, Conditioning()) == (
+        "dtype=float32,decode=incremental;trim=on,level=-20dBFS")
 
 
 def test_round_trip_through_disk_as_a_playable_wav(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from clocks import VirtualClock
 
+from gateway.audio.condition import Conditioning
 from gateway.call import (
     Call,
     CallOutcome,
@@ -30,7 +31,7 @@ from gateway.call import (
     TransferTo,
 )
 from gateway.ivr.cache import PromptCache
-from gateway.ivr.prompts import ResolvedVoice, render_missing, resolve_voice
+from gateway.ivr.prompts import ResolvedVoice, audio_identity, render_missing, resolve_voice
 from gateway.ivr.runner import IvrRunner, RunnerContext
 from gateway.ivr.script import Script, load_script, parse_script
 from gateway.speech import Speaker, Voice
@@ -133,7 +134,11 @@ class Harness:
         self.voice = voice if voice is not None else resolve_voice(script)
         self.clock = VirtualClock()
         self.transport = MemoryTransport()
-        self.call = Call("CA" + "7" * 32, self.transport, self.clock, transport_name="twilio")
+        # The phone path of a gateway on default settings: what `gateway prompts render`
+        # (the demo cache) conditions with, so the keys match and are true.
+        self.conditioning = Conditioning()
+        self.call = Call("CA" + "7" * 32, self.transport, self.clock, transport_name="twilio",
+                         conditioning=self.conditioning)
         self.call.start()
         _open_calls.append(self.call)
         self.transport.call = self.call
@@ -151,6 +156,7 @@ class Harness:
             model_fingerprint=engine.fingerprint,
             voice_identity=self.voice.identity,
             speaker=Speaker(speech, Voice(prompt=self.voice.prompt)),
+            audio=audio_identity(engine, self.conditioning),
             clock=self.clock,
             http=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
         )
@@ -171,6 +177,7 @@ class Harness:
                 self.speech,
                 self.context.model_fingerprint,
                 self.voice,
+                self.conditioning,
             )
         self.task = asyncio.create_task(self.runner.run())
 
@@ -392,6 +399,30 @@ async def test_a_cache_miss_is_rendered_live_then_stored(
     await h2.finished()
     assert [u.cached for u in h2.call.utterances] == [True, True]
     assert np.array_equal(h2.cache.peek(h2.context.key("Hello there.")), first)  # type: ignore[arg-type]
+
+
+async def test_a_sentence_rendered_live_for_the_cache_had_the_seed_its_key_names(
+    speech: SpeechService, engine: Engine
+) -> None:
+    """The key of a live-rendered miss used to say seed 0 (the script's) for audio generated
+    with no seed at all: a key must identify its audio."""
+    script = parse_script(
+        "name: t\nvoice: {speaker: ryan, seed: 7}\nstart: a\nnodes:\n"
+        "  a: {say: 'Hello there.', next: b}\n"
+        "  b: {say: {text: 'Hi {caller}.', cache: true}, next: c}\n"
+        "  c: {say: 'Bye {caller}.', hangup: true}\n"
+    )
+    h = Harness(script, speech, engine)
+    await h.start(prerender=False)
+    await h.finished()
+    hello, hi, bye = h.call.utterances
+    for utterance in (hello, hi):
+        key = h.context.key(utterance.text)
+        assert key.seed == 7 and h.cache.peek(key) is not None
+        assert utterance.stream.request.seed == key.seed  # type: ignore[union-attr]
+    # Live speech that is never cached keeps the call's voice (unseeded here).
+    assert bye.stream.request.seed is None  # type: ignore[union-attr]
+    assert h.cache.peek(h.context.key(bye.text)) is None
 
 
 # --- a registered cloned voice (Base model) ---------------------------------------------------

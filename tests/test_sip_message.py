@@ -462,6 +462,38 @@ def test_parse_error_carries_the_partial_request_for_the_400() -> None:
     assert info.value.status == 505 and info.value.request is not None
 
 
+def test_a_request_rejected_before_its_headers_were_read_still_carries_the_readable_ones(
+) -> None:
+    # A broken line (no colon, not UTF-8, a control character) stops the parser before any
+    # header field is read; what can be read still routes the 400 (RFC 3261 8.2.6.1).
+    for bad in ("NoColonHere", "Subject: a\x01b"):
+        with pytest.raises(SipParseError) as info:
+            parse_message(base_request(extra=bad + "\r\n continued"))
+        assert info.value.status == 400
+        partial = info.value.request
+        assert partial is not None and partial.method == "INVITE" and partial.uri == ""
+        assert partial.headers.rows("Via") == [
+            "SIP/2.0/UDP 192.0.2.10:5060;branch=z9hG4bK776asdhds;rport"]
+        assert partial.call_id == "a84b4c76e66710@pc33.example.com"
+        # The bad line and its continuation are left out, nothing else.
+        assert [name for name, _ in partial.headers] == [
+            "Via", "Max-Forwards", "To", "From", "Call-ID", "CSeq", "Content-Length"]
+    latin1 = base_request(extra="Subject: caf\u00e9").replace("caf\u00e9".encode(), b"caf\xe9")
+    with pytest.raises(SipParseError) as info:
+        parse_message(latin1)
+    assert info.value.request is not None and "Call-ID" in info.value.request.headers
+    long_uri = base_request().replace(b"sip:ivr@gw.example.com SIP",
+                                      b"sip:" + b"a" * 9000 + b" SIP")
+    with pytest.raises(SipParseError) as info:
+        parse_message(long_uri)
+    assert info.value.status == 414 and info.value.request is not None
+    assert info.value.request.top_via_branch == "z9hG4bK776asdhds"
+    # Never for what gets no answer anyway.
+    with pytest.raises(SipParseError) as info:
+        parse_message(base_request(method="ACK", extra="NoColonHere"))
+    assert info.value.status == 0 and info.value.request is None
+
+
 def test_typed_parse_classmethods() -> None:
     assert SipRequest.parse(golden("bye.sip")).method == "BYE"
     assert SipResponse.parse(golden("response_200_ok.sip")).status == 200

@@ -257,6 +257,13 @@ class Conditioning:
     normalize_level: bool = True
     target_dbfs: float = -20.0
 
+    @property
+    def identity(self) -> str:
+        """What this conditioning does to the audio, as text (part of prompt-cache keys)."""
+        trim = "on" if self.trim_leading_silence else "off"
+        level = f"{self.target_dbfs:g}dBFS" if self.normalize_level else "off"
+        return f"trim={trim},level={level}"
+
     def new(self) -> SpeechConditioner:
         """A conditioner for one call (reset between utterances)."""
         return SpeechConditioner(

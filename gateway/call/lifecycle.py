@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
+from gateway.aio import cancel_and_wait
 from gateway.audio.condition import Conditioning
 from gateway.call.admission import Admission, Refusal
 from gateway.call.events import Codec, HangUp, Hangup
@@ -142,20 +143,18 @@ class CallLifecycle:
             return
         call.deliver(Hangup(reason, at=self.clock.now()))  # also marks the call ended: a
         # dialog still running its last step can start nothing new from here on
-        await call.close()
         task = self._dialog_tasks.pop(call.call_id, None)
-        if task is not None and task is not asyncio.current_task() and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    self._forget(call)
-                    raise
-            except Exception:
-                log.exception("call %s: dialog failed while ending", call.call_id)
-        self._forget(call)
+        if task is asyncio.current_task():
+            task = None  # the dialog ending its own call: it returns by itself
+        try:
+            await call.close()
+            await cancel_and_wait(task, log=log, what=f"call {call.call_id}: dialog")
+        finally:
+            # Also when whoever finishes the call is cancelled meanwhile (a shutdown): the
+            # dialog is still stopped and the seat never leaked.
+            if task is not None and not task.done():
+                task.cancel()
+            self._forget(call)
 
     def _forget(self, call: Call) -> None:
         if self.registry.remove(call):

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.aio import cancel_and_wait
 from gateway.audio.condition import fade_out_frame
 from gateway.call.events import Codec
 from gateway.clock import Clock
@@ -245,14 +246,7 @@ class Playout:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise
+        await cancel_and_wait(task, log=log, what="playout")
 
     async def _run(self) -> None:
         try:

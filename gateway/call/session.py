@@ -37,6 +37,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from gateway.aio import cancel_and_wait
 from gateway.audio.condition import Conditioning
 from gateway.audio.framer import Framer, PhonePipeline
 from gateway.audio.g711 import alaw_encode, codec_silence, float_to_int16, ulaw_encode
@@ -388,8 +389,11 @@ class Call:
         """Stop all work for this call (hang-up or socket gone)."""
         self.ended = True
         self.inactivity.cancel()
-        await self._stop_utterance()
-        await self.playout.close()
+        try:
+            await self._stop_utterance()
+        finally:
+            # Even when whoever closes the call is cancelled meanwhile: no pacing task is left.
+            await self.playout.close()
 
     async def _stop_utterance(self) -> None:
         utterance = self._current
@@ -398,19 +402,16 @@ class Call:
         utterance.interrupted = True
         if utterance.stream is not None:
             utterance.stream.cancel()
-        task = utterance.task
-        if task is not None and not task.done():
-            task.cancel()
-            await _reap(task)
+        await cancel_and_wait(utterance.task, log=log, what=f"call {self.call_id}: {utterance.id}")
 
     async def _speak(self, utterance: Utterance, open_stream: StreamOpener) -> None:
         pipeline = self._pipeline
         pipeline.reset()
         pipeline.tap = utterance.capture
         playout = self.playout
-        playout.begin(utterance)
         pushed = False
         try:
+            playout.begin(utterance)
             stream = open_stream(utterance)
             utterance.stream = stream
             async for chunk in stream:
@@ -424,17 +425,11 @@ class Call:
             if tail:
                 pushed = True
                 await playout.push(tail)
-        except EngineError as exc:
-            utterance.error = str(exc)
-            utterance.failed.set()
-            log.warning("call %s: %s failed: %s", self.call_id, utterance.id, exc)
-            pipeline.reset()
-            if self._metrics is not None:
-                self._metrics.speech_failures.labels(self._transport_name).inc()
-            # Whatever was sent of it is incomplete: drop it here and at the far end too.
-            if pushed:
-                await playout.interrupt()
-            self.events.put_nowait(SpeechFailed(utterance.id, str(exc), at=self.clock.now()))
+        except Exception as exc:
+            # Not only the engine's EngineError: a bug anywhere on the phone-audio path (a
+            # malformed chunk, the conditioner, the playout) must end in the dialog's error
+            # path too, never in an utterance that neither plays nor fails (silence).
+            await self._failed(utterance, exc, pushed)
             return
         finally:
             pipeline.tap = None
@@ -443,13 +438,18 @@ class Call:
         playout.mark(utterance.id)
 
     async def _play(self, utterance: Utterance, pcm: npt.NDArray[np.int16]) -> None:
-        codec = self.codec
-        encoded = ulaw_encode(pcm) if codec == "pcmu" else alaw_encode(pcm)
-        framer = Framer(codec_silence(codec))
-        frames = framer.push(encoded) + framer.flush()
-        self.playout.begin(utterance)
+        pushed = False
         try:
+            codec = self.codec
+            encoded = ulaw_encode(pcm) if codec == "pcmu" else alaw_encode(pcm)
+            framer = Framer(codec_silence(codec))
+            frames = framer.push(encoded) + framer.flush()
+            self.playout.begin(utterance)
+            pushed = True
             await self.playout.push(frames)
+        except Exception as exc:
+            await self._failed(utterance, exc, pushed)
+            return
         finally:
             utterance.generated.set()
         if utterance.interrupted or self.ended:
@@ -457,17 +457,30 @@ class Call:
         self._pending_marks[utterance.id] = utterance
         self.playout.mark(utterance.id)
 
-
-async def _reap(task: asyncio.Task[None]) -> None:
-    """Wait for a child task we cancelled; our own cancellation still propagates."""
-    try:
-        await task
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
-            raise
-    except Exception:
-        log.exception("utterance task failed while stopping")
+    async def _failed(self, utterance: Utterance, exc: Exception, pushed: bool) -> None:
+        """``utterance`` cannot be played: tell the dialog (its error path), log it once."""
+        reason = str(exc) or type(exc).__name__
+        if isinstance(exc, EngineError):
+            # An engine failure the speech service already handled (and counted): one line.
+            log.warning("call %s: %s failed: %s", self.call_id, utterance.id, reason)
+        else:
+            # A bug: the traceback, once, with the call it hit.
+            log.error("call %s: %s failed: %r", self.call_id, utterance.id, exc, exc_info=exc)
+        self._pipeline.reset()
+        if self._metrics is not None:
+            self._metrics.speech_failures.labels(self._transport_name).inc()
+        if pushed and not self.ended:
+            # Whatever was sent of it is incomplete: drop it here and at the far end too.
+            try:
+                await self.playout.interrupt()
+            except Exception:
+                log.exception("call %s: clearing the failed %s failed", self.call_id,
+                              utterance.id)
+        # Only now does the dialog hear of it: the next prompt it starts must not be cleared by
+        # the interrupt above.
+        utterance.error = reason
+        utterance.failed.set()
+        self.events.put_nowait(SpeechFailed(utterance.id, reason, at=self.clock.now()))
 
 
 #: What drives a call once it is up: the IVR runner, or the first-call greeter.

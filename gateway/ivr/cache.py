@@ -1,7 +1,9 @@
 """The prompt cache: static sentences rendered once, played without touching the GPU.
 
 Key: a SHA-256 over everything that changes the audio (model id and revision, voice identity,
-language, style, normalised text, seed, sampling settings, audio-pipeline version). Value: 8 kHz
+language, style, normalised text, the seed the render used (``None``: none, never claimed as 0),
+the engine's render settings (dtype, codec decoding) and the phone path's conditioning (leading-
+silence trim, level normalisation), sampling settings, audio-pipeline version). Value: 8 kHz
 16-bit PCM, so mu-law and A-law frames are both exact encodes of it, stored as a standard WAV an
 author can play, plus a JSON record (text, duration, created, checksum).
 
@@ -61,7 +63,11 @@ class PromptKey:
     language: str
     style: str | None
     text: str
-    seed: int
+    #: The seed of the request that renders (rendered) the audio; None: unseeded.
+    seed: int | None
+    #: Engine render settings and phone-path conditioning (:func:`gateway.ivr.prompts.
+    #: audio_identity`): a prompt rendered in bfloat16, or without the trim, is other audio.
+    audio: str
     sampling: str = SAMPLING
     pipeline: str = PIPELINE_VERSION
 

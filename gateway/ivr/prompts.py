@@ -16,7 +16,7 @@ from gateway.audio.g711 import float_to_int16
 from gateway.audio.resample import Decimator24kTo8k
 from gateway.ivr.cache import PromptCache, PromptKey
 from gateway.ivr.script import Script
-from gateway.tts.engine import SpeechRequest, VoicePrompt
+from gateway.tts.engine import Engine, SpeechRequest, VoicePrompt
 from gateway.tts.service import SpeechService
 
 log = logging.getLogger(__name__)
@@ -48,10 +48,19 @@ def resolve_voice(script: Script, voices_dir: Path | None = None) -> ResolvedVoi
     )
 
 
-def prompt_key(script: Script, fingerprint: str, identity: str, text: str) -> PromptKey:
+def audio_identity(engine: Engine, conditioning: Conditioning | None) -> str:
+    """The render settings of a prompt's audio: the engine's (dtype, codec decoding) and the
+    phone path's conditioning (``raw`` when none is applied)."""
+    phone = conditioning.identity if conditioning is not None else "raw"
+    return f"{engine.render_settings};{phone}"
+
+
+def prompt_key(script: Script, fingerprint: str, identity: str, text: str,
+               audio: str) -> PromptKey:
+    """The key of ``text`` rendered by :func:`request_for` (its seed is the script's)."""
     voice = script.voice
     return PromptKey(model=fingerprint, voice=identity, language=voice.language,
-                     style=voice.style, text=text, seed=voice.seed)
+                     style=voice.style, text=text, seed=voice.seed, audio=audio)
 
 
 def request_for(script: Script, text: str, voice: ResolvedVoice | None = None) -> SpeechRequest:
@@ -90,8 +99,9 @@ async def render_missing(
     """
     hits = rendered = 0
     todo: list[tuple[PromptKey, str]] = []
+    audio = audio_identity(speech.engines[0], conditioning)
     for text in script.static_sentences():
-        key = prompt_key(script, fingerprint, voice.identity, text)
+        key = prompt_key(script, fingerprint, voice.identity, text, audio)
         if cache.get(key) is not None:
             hits += 1
         else:

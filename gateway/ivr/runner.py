@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,15 @@ class _CallEnded(Exception):
 
 
 class _Failed(Exception):
-    """A step failed (speech, webhook): go to the error node."""
+    """A step failed (speech, webhook): go to the error node.
+
+    ``logged``: the failure was already logged where it happened (a failed utterance is, by
+    the call, with its traceback when it was a bug); the runner then only notes its decision.
+    """
+
+    def __init__(self, reason: str, *, logged: bool = False) -> None:
+        super().__init__(reason)
+        self.logged = logged
 
 
 @dataclass
@@ -80,12 +88,17 @@ class RunnerContext:
     voice_identity: str
     #: Live speech in the script's voice (sentences with variables, cache misses).
     speaker: Speaker
+    #: The render settings of this gateway's audio (:func:`gateway.ivr.prompts.audio_identity`
+    #: of its engine and phone-path conditioning): part of every prompt key.
+    audio: str
     clock: Clock = field(default_factory=SystemClock)
     http: httpx.AsyncClient | None = None
     #: WAV files named by ``play`` nodes, loaded and converted to 8 kHz PCM at start-up.
     sounds: dict[str, np.ndarray] = field(default_factory=dict)
 
     def key(self, text: str) -> PromptKey:
+        """The key of ``text`` rendered with the script's seed (a cacheable sentence is always
+        rendered with it, live or ahead, so the key names the seed its audio really had)."""
         voice = self.script.voice
         return PromptKey(
             model=self.model_fingerprint,
@@ -94,6 +107,7 @@ class RunnerContext:
             style=voice.style,
             text=text,
             seed=voice.seed,
+            audio=self.audio,
         )
 
 
@@ -126,6 +140,9 @@ class IvrRunner:
         self.path: list[str] = []
         # When the caller's current turn ended (None once an utterance has answered it).
         self._turn_at: float | None = call.answered_at
+        # A cacheable sentence rendered live (a miss) is stored under the script's seed: it is
+        # rendered with that seed, as ahead-of-time renders are, not unseeded.
+        self._cache_voice = replace(context.speaker.voice, seed=self.script.voice.seed)
 
     async def run(self) -> None:
         """Drive the call from ``start`` until it is transferred, hung up, or the caller leaves."""
@@ -165,8 +182,10 @@ class IvrRunner:
                 return None
             return node.next
         except _Failed as exc:
-            log.warning("call %s: node %s failed: %s", self.call.call_id, name, exc)
             target = self._on_error(name)
+            log.log(logging.INFO if exc.logged else logging.WARNING,
+                    "call %s: node %s failed: %s; %s", self.call.call_id, name, exc,
+                    f"going to {target}" if target is not None else "hanging up")
             if target is None:
                 await self.call.end(HangUp())
             return target
@@ -201,7 +220,8 @@ class IvrRunner:
             pcm = self.ctx.cache.peek(self.ctx.key(text))
             if pcm is not None:
                 return self.call.play(pcm, label=text, turn_started_at=turn)
-        return self.ctx.speaker.say(self.call, text, turn_started_at=turn, capture=cacheable)
+        return self.ctx.speaker.say(self.call, text, turn_started_at=turn, capture=cacheable,
+                                    voice=self._cache_voice if cacheable else None)
 
     def _after_utterance(self, item: SayItem, text: str, utterance: Utterance) -> None:
         # A cacheable sentence rendered live (a cache miss) is stored once complete.
@@ -229,7 +249,7 @@ class IvrRunner:
         """
         while not utterance.played.is_set():
             if utterance.error is not None:
-                raise _Failed(utterance.error)
+                raise _Failed(utterance.error, logged=True)
             event = await self._next_event(timeout=0.05 if utterance.task is None else None,
                                            utterance=utterance)
             if event is None:
@@ -241,7 +261,7 @@ class IvrRunner:
                     self.typeahead.append(event.digit)
                 return False
             if isinstance(event, SpeechFailed) and event.utterance_id == utterance.id:
-                raise _Failed(event.reason)
+                raise _Failed(event.reason, logged=True)
         return True
 
     async def _next_event(self, timeout: float | None,

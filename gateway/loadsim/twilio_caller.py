@@ -33,6 +33,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -54,6 +55,10 @@ from gateway.loadsim.twiml import (
 
 __all__ = ["FRAME_S", "DialError", "Heard", "Ticker", "TwilioCaller", "after_stream", "describe",
            "dial", "voice_form"]
+
+from gateway.aio import cancel_and_wait
+
+log = logging.getLogger(__name__)
 
 FRAME_S = 0.02
 _SILENCE = base64.b64encode(b"\xff" * 160).decode()
@@ -78,10 +83,7 @@ class Ticker:
         self._task = asyncio.create_task(self._run(), name="loadsim-ticker")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task, log=log, what="loadsim ticker")
 
     async def _run(self) -> None:
         start = time.monotonic()
@@ -363,10 +365,7 @@ class TwilioCaller:
     async def close(self) -> None:
         self.ticker.callers.discard(self)
         for task in (self._reader, self._echoer):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await cancel_and_wait(task, log=log, what=f"loadsim caller {self.call_sid}")
         if self._ws is not None:
             await self._ws.close()
 

@@ -16,15 +16,19 @@ audio (in the call's codec, decoded once by the speech detector) and RFC 4733 di
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.aio import cancel_and_wait
 from gateway.call.events import CallOutcome, Codec, TransferTo
 from gateway.call.lifecycle import CallLifecycle
 from gateway.call.playout import PlayoutPolicy
 from gateway.call.session import Call
+from gateway.errors import ConfigError
 from gateway.metrics import Metrics
 from gateway.sip.rtp import DtmfReceiver, RtpError, RtpPacket, RtpReceiverStats, RtpSender
 from gateway.sip.sdp import Answer
@@ -63,6 +67,26 @@ RTP_PLAYOUT = PlayoutPolicy(
 
 #: How long a REFER may wait for its final NOTIFY before the caller is hung up (64*T1).
 TRANSFER_TIMEOUT_S = 32.0
+
+
+def bind_udp(host: str, port: int, variable: str = "GATEWAY_SIP") -> socket.socket:
+    """A UDP socket bound to ``host:port``, or a :class:`~gateway.errors.ConfigError` that
+    says which setting to change (the port is taken, the address is not this host's)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_DGRAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"cannot bind the SIP endpoint to udp {host}:{port} ({variable}): "
+                          f"{exc.strerror or exc}") from None
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot bind the SIP endpoint to udp {host}:{port} ({variable}): "
+                          f"{exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
 
 
 class _Udp(asyncio.DatagramProtocol):
@@ -245,11 +269,16 @@ class SipEndpoint:
 
     # --- lifecycle ----------------------------------------------------------------------------
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
+    async def start(self, host: str, port: int, *,
+                    sock: socket.socket | None = None) -> tuple[str, int]:
+        """Serve SIP on ``sock`` (already bound, :func:`bind_udp`), else bind ``host:port``
+        (:class:`~gateway.errors.ConfigError` when that fails)."""
         loop = asyncio.get_running_loop()
         self.loop = loop
-        transport, _ = await loop.create_datagram_endpoint(
-            lambda: _Udp(self._on_sip), local_addr=(host, port))
+        if sock is None:
+            sock = bind_udp(host, port)
+        transport, _ = await loop.create_datagram_endpoint(lambda: _Udp(self._on_sip),
+                                                           sock=sock)
         self._sock = transport
         self.local_addr = transport.get_extra_info("sockname")[:2]
         if self.config.local_port == 0:
@@ -263,8 +292,8 @@ class SipEndpoint:
         for key in list(self.media):
             self._apply(self.core.hangup(key, self.clock.now()))
         await asyncio.sleep(0)
-        if self._timer is not None:
-            self._timer.cancel()
+        await cancel_and_wait(self._timer, log=log, what="sip timers")
+        self._timer = None
         for key in list(self.media):
             await self._finish(key, "shutdown")
         if self._sock is not None:
@@ -405,19 +434,41 @@ class SipEndpoint:
         self._apply(self.core.hangup(key, self.clock.now(), reason))
 
     async def transfer(self, key: str, target: str) -> None:
-        """REFER the caller to ``target``; hang up once it is accepted (or refused)."""
+        """REFER the caller to ``target``; hang up once it is accepted (or refused).
+
+        One REFER at a time per call: the outcome (:class:`~gateway.sip.uas.TransferDone`)
+        names the dialog, not the REFER, so a second one's NOTIFY could not be told from the
+        first's. A second transfer while one is pending sends nothing and returns with the
+        first one's outcome (it used to replace the first one's future, which then waited out
+        the whole 32 s).
+        """
+        pending = self._transfers.get(key)
+        if pending is not None:
+            log.warning("sip call %s: transfer to %s while a transfer is pending; it waits for "
+                        "that one", key[:24], target)
+            with contextlib.suppress(TimeoutError):
+                # Shielded: this waiter giving up must not cancel the first one's outcome.
+                await self.clock.wait_for(asyncio.shield(pending), TRANSFER_TIMEOUT_S)
+            return
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._transfers[key] = future
-        effects = self.core.refer(key, target, self.clock.now())
-        if not effects:
-            self._transfers.pop(key, None)
-            self.hangup(key)
-            return
-        self._apply(effects)
         try:
-            accepted = await self.clock.wait_for(future, TRANSFER_TIMEOUT_S)
-        except TimeoutError:
-            accepted = False
+            effects = self.core.refer(key, target, self.clock.now())
+            if not effects:
+                self.hangup(key)
+                return
+            self._apply(effects)
+            try:
+                accepted = await self.clock.wait_for(asyncio.shield(future), TRANSFER_TIMEOUT_S)
+            except TimeoutError:
+                accepted = False
+        finally:
+            # Whatever ended this wait (an outcome, the timeout, our cancellation), the transfer
+            # is over: forget it, and release anyone waiting on it with "not accepted".
+            if self._transfers.get(key) is future:
+                del self._transfers[key]
+            if not future.done():
+                future.set_result(False)
         if not accepted:
             # Documented limitation: a peer that refuses REFER cannot be transferred by this
             # endpoint (no B2BUA bridging); the caller is hung up with a log line.

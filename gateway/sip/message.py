@@ -59,8 +59,9 @@ class SipParseError(GatewayError):
     """A SIP message (or header value) that cannot be accepted.
 
     ``status`` is the response a UAS should send if it can (400, 413, 414, 505), or 0 when no
-    response is possible or allowed; ``request`` is the partially parsed request, when the
-    start line and header fields could be read, for building that response.
+    response is possible or allowed; ``request`` is what could be read of the request (its
+    method and the header fields that are well-formed on their own) whenever ``status`` is
+    set, for building that response; whether it can be routed (a usable Via) is the UAS's call.
     """
 
     def __init__(self, status: int, message: str, *, request: SipRequest | None = None) -> None:
@@ -808,6 +809,11 @@ def parse_message(
     answerable = request_like and method != "ACK"
 
     def fail(status: int, message: str, request: SipRequest | None = None) -> SipParseError:
+        if request is None and answerable and status:
+            # Rejected before its header fields were all read: what can be read of them may
+            # still say where the 400 goes (a Via), so the peer is answered, not left to
+            # retransmit for 32 s (RFC 3261 8.2.6.1, 17.2.1).
+            request = _salvage(stripped, max_line, max_headers)
         return SipParseError(status if answerable else 0, message, request=request)
 
     if len(first) > max_line:
@@ -821,7 +827,8 @@ def parse_message(
             and _TOKEN_RE.fullmatch(word[0].decode("latin-1")) is not None
         )
         raise SipParseError(
-            414 if looks_request else 0, f"start line is over the {max_line}-byte limit"
+            414 if looks_request else 0, f"start line is over the {max_line}-byte limit",
+            request=_salvage(stripped, max_line, max_headers) if looks_request else None,
         )
     if not is_response and not request_like:
         raise SipParseError(0, f"not a SIP message: first line is {_short(repr(first)[2:-1])}")
@@ -885,6 +892,46 @@ def parse_message(
     if is_response:
         return _finish_response(start_line, headers, raw_body)
     return _finish_request(start_line, headers, raw_body, fail)
+
+
+def _salvage(data: bytes, max_line: int, max_headers: int) -> SipRequest:
+    """What can be read of a request the parser rejected early, to answer it with.
+
+    The method (the start line's first word) and every header field line that is well-formed
+    on its own; lines that are not (too long, not UTF-8, control characters, no ``name:``) are
+    skipped, with their continuation lines. Values stay free of CR, LF and controls, so they
+    can be copied into the response as they are. The Request-URI is left empty: a response
+    never repeats it.
+    """
+    m = _BLANK_LINE_RE.search(data)
+    lines = (data[: m.start()] if m is not None else data).split(b"\n")
+    method = lines[0].split(b" ", 1)[0].decode("latin-1")
+    headers = Headers()
+    fields = headers._fields
+    kept = False  # whether the previous line was kept (a continuation line extends it)
+    for raw in lines[1:]:
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        try:
+            line = raw.decode("utf-8") if len(raw) <= max_line else ""
+        except UnicodeDecodeError:
+            line = ""
+        if not line or _CTL_RE.search(line):
+            kept = False
+            continue
+        if line[:1] in (" ", "\t"):
+            if kept:
+                name, value = fields[-1]
+                fields[-1] = (name, value.rstrip(_WS) + " " + line.strip(_WS))
+            continue
+        colon = line.find(":")
+        name = line[:colon].rstrip(_WS) if colon > 0 else ""
+        kept = _TOKEN_RE.fullmatch(name) is not None
+        if kept:
+            if len(fields) >= max_headers:
+                break
+            headers._append(name, line[colon + 1 :].strip(_WS))
+    return SipRequest(method, "", headers)
 
 
 def _body(headers: Headers, raw_body: bytes, fail_: _Fail, partial: SipRequest | None) -> bytes:

@@ -19,8 +19,12 @@ What it does, per RFC 3261 unless noted:
   unknown methods -> 501; at capacity -> 486 (or 503 with Retry-After while draining or not
   ready), as the injected admission question (``UasConfig.admission``) says;
   no common codec -> 488.
+- A request the parser rejects (no Call-ID, a broken header line, SIP/3.0...) gets the
+  parser's 400/414/505 with the reason, statelessly, whenever its Via header fields say where
+  the response goes (8.2.6.1, 16.3; RFC 4475 3.1.2.18): the peer stops retransmitting. ACKs,
+  responses and requests without a usable Via get silence.
 - Security: a source-address allow-list (CIDR) and optional digest authentication; anything
-  else gets 403 (or a 401 challenge) and no call state.
+  else gets 403 (or a 401 challenge) and no call state, and nothing at all when malformed.
 - Requests we originate in a dialog (BYE, REFER per RFC 3515) are retransmitted from T1 to T2
   until a final response or 64*T1 (17.1.2).
 """
@@ -46,6 +50,8 @@ from gateway.sip.message import (
     new_tag,
     parse_message,
     parse_name_addr,
+    parse_via,
+    reason_phrase,
     response_to,
     stamp_via,
 )
@@ -65,6 +71,10 @@ USER_AGENT = "qwen3-tts-ivr-gateway"
 MAX_CACHED_RESPONSES = 4096
 
 Addr = tuple[str, int]
+
+#: What may not appear in a Reason-Phrase (RFC 3261 25.1: text, SP and HTAB; no CR, LF or other
+#: controls).
+_PHRASE_UNSAFE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 # --- effects ----------------------------------------------------------------------------------
@@ -288,7 +298,8 @@ class UasCore:
             return []
         except SipParseError as exc:
             self.stats["dropped"] += 1
-            return [Dropped(f"malformed SIP from {source[0]}: {exc}")]
+            return self._answer_malformed(exc, exc.request, source,
+                                          f"malformed SIP from {source[0]}: {exc}")
         if isinstance(message, SipResponse):
             return self._on_response(message, now)
         if not self.config.allowed(source[0]):
@@ -305,7 +316,42 @@ class UasCore:
             return self._on_request(message, source, now)
         except SipParseError as exc:
             self.stats["dropped"] += 1
-            return [Dropped(f"bad {message.method} from {source[0]}: {exc}")]
+            return self._answer_malformed(exc, message, source,
+                                          f"bad {message.method} from {source[0]}: {exc}")
+
+    def _answer_malformed(self, exc: SipParseError, request: SipRequest | None, source: Addr,
+                          why: str) -> list[Effect]:
+        """A request we cannot accept: answer ``exc.status`` with the reason when the response
+        can be routed (RFC 3261 8.2.6.1, 16.3: a 400 naming the problem), else drop it.
+
+        Never for an ACK or a response (17.1.1.1), never to a stranger (the allow-list's
+        sources alone get answers), and only when every Via parses: the response travels back
+        along them (18.2.2) and the caller's transaction matches it by the top one's branch
+        (17.1.3). Stateless: nothing is cached, no dialog is made.
+        """
+        dropped = Dropped(why)
+        if not exc.status or request is None or request.method == "ACK":
+            return [dropped]
+        if not self.config.allowed(source[0]):
+            self.stats["rejected_source"] += 1
+            return [dropped]
+        try:
+            vias = request.headers.get_all("Via")
+            for value in vias:
+                parse_via(value)
+            if not vias:
+                return [dropped]
+            stamp_via(request, source[0], source[1])
+        except SipParseError:
+            return [dropped]
+        # The reason names the problem (what Kamailio's sanity module does too); it is this
+        # peer's own text coming back, cut short and without control characters.
+        detail = _PHRASE_UNSAFE.sub("?", exc.message)
+        if len(detail) > 120:
+            detail = detail[:117] + "..."
+        response = response_to(request, exc.status, f"{reason_phrase(exc.status)} ({detail})",
+                               to_tag=new_tag(), headers=[("User-Agent", USER_AGENT)])
+        return [SendTo(response.serialize(), source), dropped]
 
     def tick(self, now: float) -> list[Effect]:
         """Fire every timer due at ``now``."""

@@ -315,6 +315,11 @@ class BatchedQwenEngine(BatchEngine):
         return self.shared.fingerprint
 
     @property
+    def render_settings(self) -> str:
+        dtype = str(self.shared.torch_dtype).removeprefix("torch.")
+        return f"dtype={dtype},decode={self.codec_decode}"
+
+    @property
     def speakers(self) -> Sequence[str]:
         return self.shared.speakers
 

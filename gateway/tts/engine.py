@@ -157,6 +157,13 @@ class Engine(abc.ABC):
         """Identity of the model's weights and revision (part of every prompt-cache key)."""
         return self.name
 
+    @property
+    def render_settings(self) -> str:
+        """This engine's settings that change the audio a request renders to (the weights'
+        dtype, how the codec decodes), as text: part of every prompt-cache key. Default: none.
+        """
+        return ""
+
     def validate(self, request: SpeechRequest) -> None:
         """Raise ``ValueError`` with a clear message if the request cannot be served."""
         if not request.text.strip():

@@ -250,6 +250,11 @@ class QwenEngine(Engine):
         return self.shared.fingerprint
 
     @property
+    def render_settings(self) -> str:
+        dtype = str(self.shared.torch_dtype).removeprefix("torch.")
+        return f"dtype={dtype},decode={self.codec_decode}"
+
+    @property
     def speakers(self) -> Sequence[str]:
         return self.shared.speakers
 

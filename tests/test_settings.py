@@ -1,0 +1,91 @@
+"""The SIP settings are checked where they are declared: a bad value stops start-up by name.
+
+``GATEWAY_SIP``, ``GATEWAY_SIP_ALLOW``, ``GATEWAY_RTP_PORTS`` and ``GATEWAY_SIP_USERS`` are
+strings in the environment. They used to be split apart only when the SIP endpoint started:
+an inverted port range then gave every call a 503, and a user without ``:`` was dropped
+silently (its trunk then failed every INVITE with 401). Now the settings object refuses them,
+``gateway serve`` exits 1 with one line naming the variable, and the endpoint reads them
+parsed. A password is never part of a message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.cli import main
+from gateway.config import Settings, settings_error
+
+BAD = [
+    ("GATEWAY_SIP", "5060", "host:port"),
+    ("GATEWAY_SIP", "0.0.0.0:99999", "over 65535"),
+    ("GATEWAY_SIP", "0.0.0.0:sip", "host:port"),
+    ("GATEWAY_SIP", "[not-v6]:5060", "host:port"),
+    ("GATEWAY_SIP", "a b:5060", "host:port"),
+    ("GATEWAY_SIP_ALLOW", "10.0.0.0/8,trunk.example.com", "'trunk.example.com' is not"),
+    ("GATEWAY_SIP_ALLOW", "10.0.0.0/33", "'10.0.0.0/33' is not"),
+    ("GATEWAY_SIP_ALLOW", " , ", "no network"),
+    ("GATEWAY_RTP_PORTS", "20999-20000", "inverted"),
+    ("GATEWAY_RTP_PORTS", "20000:20999", "low-high"),
+    ("GATEWAY_RTP_PORTS", "20000-70000", "1024-65535"),
+    ("GATEWAY_RTP_PORTS", "80-90", "1024-65535"),
+    ("GATEWAY_SIP_USERS", "trunk:s3cret,pbx", "entry 2 is not name:password (user 'pbx')"),
+    ("GATEWAY_SIP_USERS", "trunk:", "entry 1 is not name:password"),
+    ("GATEWAY_SIP_USERS", ":s3cret", "entry 1 is not name:password"),
+    ("GATEWAY_SIP_USERS", "trunk:s3cret,trunk:other", "user 'trunk' twice"),
+]
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("GATEWAY_SIP", "GATEWAY_SIP_ALLOW", "GATEWAY_RTP_PORTS", "GATEWAY_SIP_USERS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(Path(__file__).parent)  # no stray .env file
+
+
+@pytest.mark.parametrize(("variable", "value", "words"), BAD)
+def test_a_bad_sip_setting_is_refused_naming_its_variable(
+        monkeypatch: pytest.MonkeyPatch, variable: str, value: str, words: str) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    message = settings_error(info.value)
+    assert message.startswith(variable + " ") or message.startswith(variable + ":"), message
+    assert words in message, message
+    assert "s3cret" not in message and "s3cret" not in str(info.value)
+
+
+@pytest.mark.parametrize(("variable", "value", "words"), BAD[::3])
+def test_serve_stops_before_loading_anything_with_the_variables_name(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        variable: str, value: str, words: str) -> None:
+    monkeypatch.setenv("GATEWAY_SIP", "127.0.0.1:0")
+    monkeypatch.setenv(variable, value)
+    code = main(["serve", "--insecure", "--host", "127.0.0.1", "--port", "0",
+                 "--model", str(tmp_path / "no-model")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid settings: ") and variable in err and words in err, err
+    assert "no-model" not in err  # refused before the model was looked at
+    assert "s3cret" not in err and len(err.splitlines()) == 1
+
+
+def test_good_sip_settings_are_read_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_SIP", ":5070")
+    monkeypatch.setenv("GATEWAY_SIP_ALLOW", " 203.0.113.7 , 10.1.2.3/8,::1")
+    monkeypatch.setenv("GATEWAY_RTP_PORTS", " 30000 - 30009 ")
+    monkeypatch.setenv("GATEWAY_SIP_USERS", "trunk:s3:cr:et, pbx:pw")
+    settings = Settings()
+    assert settings.sip_bind == ("0.0.0.0", 5070)
+    assert settings.sip_allow_networks == ["203.0.113.7/32", "10.0.0.0/8", "::1/128"]
+    assert settings.rtp_port_range == range(30000, 30010)
+    # A password may hold ':' (only the first one separates the name).
+    assert settings.sip_user_table == {"trunk": "s3:cr:et", "pbx": "pw"}
+    assert Settings(sip="[::1]:5060", rtp_ports="20000").sip_bind == ("::1", 5060)
+    assert Settings(rtp_ports="20000").rtp_port_range == range(20000, 20001)
+    monkeypatch.delenv("GATEWAY_SIP")
+    monkeypatch.delenv("GATEWAY_SIP_USERS")
+    assert Settings().sip_bind is None and Settings().sip_user_table is None
+    assert Settings(sip="").sip is None
