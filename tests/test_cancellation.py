@@ -95,7 +95,7 @@ async def test_closing_a_loadsim_caller_propagates_the_closers_cancellation() ->
 
     async with websockets.serve(twilio, "127.0.0.1", 0) as server:
         port = server.sockets[0].getsockname()[1]
-        caller = TwilioCaller(f"ws://127.0.0.1:{port}/twilio/media", None, "CA" + "1" * 32,
+        caller = TwilioCaller(f"ws://127.0.0.1:{port}/twilio/media", {}, None, "CA" + "1" * 32,
                               Ticker())
         await caller.connect()
         assert await _cancelled_while_stopping(caller.close) == []

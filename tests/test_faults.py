@@ -125,8 +125,8 @@ class FaultyEngine(QwenEngine):
         return misbehave()
 
     def rebuild(self) -> None:
-        self.rebuilds += 1
         super().rebuild()
+        self.rebuilds += 1  # counted once the slot is rebuilt (and warm) again
 
 
 class Backend:

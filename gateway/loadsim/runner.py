@@ -218,11 +218,16 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
         return record
 
     async def redialler() -> None:
-        while time.monotonic() < stop_at:
+        # Every caller of the level dials at least once, however late its task first runs (a
+        # busy machine can start it after a short level's end): a level of N callers places
+        # at least N calls.
+        while True:
             record = await one_call()
             wait = redial_delay(record.outcome, config.backoff_s, rng)
             if wait:
                 await asyncio.sleep(max(0.0, min(wait, stop_at - time.monotonic())))
+            if time.monotonic() >= stop_at:
+                break
 
     async def report() -> None:
         while True:
@@ -243,7 +248,7 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
     try:
         if config.pattern == "rate":
             arrivals: list[asyncio.Task[CallRecord]] = []
-            while time.monotonic() < stop_at:
+            while not arrivals or time.monotonic() < stop_at:  # at least one arrival
                 arrivals.append(asyncio.create_task(one_call()))
                 await asyncio.sleep(rng.expovariate(config.rate))
             await asyncio.gather(*arrivals)
