@@ -34,10 +34,10 @@ case "$cmd" in
     shift
     setup
     # Parallel workers (pytest-xdist): the suite mostly waits on sockets, peers and timers,
-    # so four processes on two cores finish it in well under half the serial time. A module
+    # so three processes on two cores finish it in about half the serial time. A module
     # stays on one worker (--dist loadfile): its module-scoped gateway is started once.
     # TEST_WORKERS=0 runs it serially (for a debugger, or -x on the first failure).
-    exec "$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-4}" --dist loadfile "$@"
+    exec "$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-3}" --dist loadfile "$@"
     ;;
   serve) shift; setup; exec "$VENV/bin/gateway" serve "$@" ;;
   -*) setup; exec "$VENV/bin/gateway" serve "$@" ;;

@@ -236,8 +236,6 @@ class QwenEngine(Engine):
         self._base = shared.base
         #: Codec frames of the most recent stream, chunk by chunk (tests compare decodes).
         self.last_codes: list[Any] = []
-        #: What :meth:`warmup` spoke with (a rebuild warms its new holders the same way).
-        self._warm_voices: list[tuple[str, str] | VoicePrompt] = []
 
     # --- Engine API ---------------------------------------------------------------------------
 
@@ -272,9 +270,15 @@ class QwenEngine(Engine):
         t0 = time.perf_counter()
         if not voices and self.shared.model_type == "custom_voice":
             voices = [(self.speakers[0] if self.speakers else "ryan", "English")]
-        self._warm_voices = list(voices)
         for voice in voices:
-            self._warm_one(voice)
+            if isinstance(voice, VoicePrompt):
+                request = SpeechRequest(text="Hello.", voice_prompt=voice, max_frames=8,
+                                        min_frames=8)
+            else:
+                request = SpeechRequest(text="Hello.", speaker=voice[0], language=voice[1],
+                                        max_frames=8, min_frames=8)
+            for _ in self.stream(request):
+                pass
         log.info("engine warm: %s (%d voice(s)) in %.2f s", self.name, max(1, len(voices)),
                  time.perf_counter() - t0)
 
@@ -302,15 +306,6 @@ class QwenEngine(Engine):
             raise EngineError(str(exc)) from None
         return self._stream(request, should_stop or _never)
 
-    def _warm_one(self, voice: tuple[str, str] | VoicePrompt) -> None:
-        if isinstance(voice, VoicePrompt):
-            request = SpeechRequest(text="Hello.", voice_prompt=voice, max_frames=8, min_frames=8)
-        else:
-            request = SpeechRequest(text="Hello.", speaker=voice[0], language=voice[1],
-                                    max_frames=8, min_frames=8)
-        for _ in self.stream(request):
-            pass
-
     def rebuild(self) -> None:
         """Make the slot usable again after a failure inside the engine.
 
@@ -328,11 +323,6 @@ class QwenEngine(Engine):
             torch.cuda.synchronize()
         else:
             self._wrapper = _graph_holders(self.shared, self.max_seq_len)
-            # New holders are cold: their first step costs seconds on a CPU, which the next
-            # caller would wait for and the step watchdog would take for a hang. Warm them
-            # as start-up did (one short generation) before the slot takes a turn again.
-            if self._warm_voices:
-                self._warm_one(self._warm_voices[0])
 
     # --- the loop -----------------------------------------------------------------------------
 
