@@ -316,8 +316,7 @@ class BatchedQwenEngine(BatchEngine):
 
     @property
     def render_settings(self) -> str:
-        dtype = str(self.shared.torch_dtype).removeprefix("torch.")
-        return f"dtype={dtype},decode={self.codec_decode}"
+        return self.shared.render_settings(self.codec_decode)
 
     @property
     def speakers(self) -> Sequence[str]:

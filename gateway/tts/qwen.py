@@ -172,6 +172,12 @@ class QwenModel:
     def on_cuda(self) -> bool:
         return self.device.startswith("cuda")
 
+    def render_settings(self, codec_decode: str) -> str:
+        """What besides the weights changes the audio an engine over this model renders (the
+        dtype, and how the codec is decoded): part of every prompt-cache key."""
+        dtype = str(self.torch_dtype).removeprefix("torch.")
+        return f"dtype={dtype},decode={codec_decode}"
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """Model id and revision: the hub commit when known, else a digest of the local files.
@@ -249,8 +255,7 @@ class QwenEngine(Engine):
 
     @property
     def render_settings(self) -> str:
-        dtype = str(self.shared.torch_dtype).removeprefix("torch.")
-        return f"dtype={dtype},decode={self.codec_decode}"
+        return self.shared.render_settings(self.codec_decode)
 
     @property
     def speakers(self) -> Sequence[str]:
