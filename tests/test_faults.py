@@ -126,7 +126,7 @@ class FaultyEngine(QwenEngine):
 
     def rebuild(self) -> None:
         super().rebuild()
-        self.rebuilds += 1  # counted once the slot is rebuilt (and warm) again
+        self.rebuilds += 1  # counted once the slot is rebuilt
 
 
 class Backend:
@@ -340,6 +340,7 @@ async def test_an_engine_failure_mid_sentence_plays_the_error_prompt_from_the_ca
     live = rig.live
     speech = live.gateway.speech_service
     failed, rebuilds = speech.stats.failed, sum(e.rebuilds for e in rig.engines)
+    recovered = speech.stats.recovered
     rig.arm(match=BALANCE, raise_after=2)
     async with _new_call(live) as call:
         await _to_account_lookup(live, call)
@@ -349,7 +350,10 @@ async def test_an_engine_failure_mid_sentence_plays_the_error_prompt_from_the_ca
         # Two chunks had gone out: the partial sentence was cleared at the caller.
         assert balance.frames_sent > 0 and call.events("clear")
     assert speech.stats.failed == failed + 1
-    await _wait(lambda: sum(e.rebuilds for e in rig.engines) == rebuilds + 1, 10, "rebuild")
+    # Back in service once rebuilt and warm. The next call waits for that: a slot warming up
+    # on this 2-core machine starves the other slot's steps past the 3 s watchdog.
+    await _wait(lambda: speech.stats.recovered == recovered + 1, 20, "recovery")
+    assert sum(e.rebuilds for e in rig.engines) == rebuilds + 1
     assert speech.healthy_slots == 2
     # The gateway is unharmed: the next caller hears a balance.
     async with _new_call(live) as call:

@@ -36,6 +36,7 @@ fails the loop's turns, and when the step returns the loop rebuilds and serves a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -410,10 +411,8 @@ class BatchLoop:
         row, turn.row = turn.row, None
         if row is None:
             return
-        try:
+        with contextlib.suppress(EngineError):  # the row was lost in a rebuild already
             self.engine.close(row)
-        except EngineError:
-            pass  # lost in a rebuild already
 
     # --- failures -------------------------------------------------------------------------------
 
@@ -461,6 +460,8 @@ class BatchLoop:
             self.service._retire(self)
             return False
         log.warning("tts batch %d: engine rebuilt", self.index)
+        with self.service._cond:
+            self.service.stats.recovered += 1
         return True
 
     def _shutdown(self) -> None:

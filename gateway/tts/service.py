@@ -509,6 +509,7 @@ class SpeechService:
             if returned:
                 slot.stuck = False
                 self._healthy += 1
+            self.stats.recovered += 1
         if returned:
             log.warning("tts slot %d: its stuck step returned; rebuilt and back in service",
                         slot.index)

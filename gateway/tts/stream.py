@@ -46,6 +46,8 @@ class ServiceStats:
     slots_retired: int = 0
     #: Steps the watchdog gave up on (the turn failed, the slot left rotation until it returned).
     stuck_steps: int = 0
+    #: Engines rebuilt (and, for a slot, warmed up) and back in service after a failure.
+    recovered: int = 0
     #: Seconds from ``cancel()`` to the slot being free, one entry per cancelled generation
     #: (the most recent few thousand).
     cancel_to_free_s: list[float] = field(default_factory=list)
