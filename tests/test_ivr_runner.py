@@ -523,3 +523,47 @@ async def test_a_stale_mark_does_not_end_a_gather_early(
     assert h.runner.variables["account_number"] == "123456"
     h.call.deliver(Hangup(at=h.clock.now()))
     await h.finished()
+
+
+# --- branches on data -------------------------------------------------------------------------
+
+ROUTED = """name: t
+voice: {speaker: ryan}
+start: lookup
+nodes:
+  lookup:
+    webhook: {url: 'http://backend.test/x', sets: [status, balance], on_error: agent}
+    next: route
+  route:
+    branch:
+      - if: status == "overdue" and balance > 100
+        goto: collections
+      - if: status in ["closed", "suspended"]
+        goto: closed
+      - else: agent
+  collections: {transfer: "+15555550101"}
+  closed: {hangup: true}
+  agent: {transfer: "+15555550100"}
+"""
+
+
+@pytest.mark.parametrize(
+    ("answer", "path", "outcome"),
+    [
+        ({"status": "overdue", "balance": 250}, "collections", TransferTo("+15555550101")),
+        ({"status": "overdue", "balance": "99.99"}, "agent", TransferTo("+15555550100")),
+        ({"status": "overdue", "balance": "unknown"}, "agent", TransferTo("+15555550100")),
+        ({"status": "suspended"}, "closed", HangUp()),
+        ({}, "agent", TransferTo("+15555550100")),
+    ],
+)
+async def test_a_webhook_answer_decides_where_the_call_goes(
+    speech: SpeechService, engine: Engine, answer: dict[str, Any], path: str,
+    outcome: CallOutcome,
+) -> None:
+    script = parse_script(ROUTED)
+    h = Harness(script, speech, engine, backend=lambda request: httpx.Response(200, json=answer))
+    await h.start(prerender=False)
+    await h.finished()
+    assert h.runner.path == ["lookup", "route", path]
+    assert h.transport.outcome == outcome

@@ -42,6 +42,7 @@ from gateway.call.session import Call, Dialog, Utterance
 from gateway.clock import Clock, SystemClock
 from gateway.ivr.cache import PromptCache, PromptKey
 from gateway.ivr.script import (
+    Case,
     Gather,
     SayItem,
     Script,
@@ -157,6 +158,8 @@ class IvrRunner:
             if node.webhook is not None:
                 await self._webhook(name, node.webhook)
                 return node.next
+            if node.branch is not None:
+                return self._branch(name, node.branch)
             if node.transfer is not None:
                 await self.call.end(TransferTo(node.transfer))
                 return None
@@ -178,6 +181,18 @@ class IvrRunner:
         error = self.script.error
         # Never loop on a failing error node.
         return error if error is not None and error != name else None
+
+    def _branch(self, name: str, cases: Sequence[Case]) -> str:
+        """The first case whose test holds, else the final ``else`` (the loader requires it)."""
+        chosen = len(cases) - 1
+        for i, case in enumerate(cases[:-1]):
+            condition = case.condition
+            if condition is not None and condition.evaluate(self.variables):
+                chosen = i
+                break
+        log.info("call %s: node %s took case %d (%s)", self.call.call_id, name, chosen + 1,
+                 cases[chosen].when or "else")
+        return cases[chosen].target
 
     # --- speaking -----------------------------------------------------------------------------
 

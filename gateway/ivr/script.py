@@ -51,6 +51,7 @@ from pydantic import (
 )
 
 from gateway.errors import GatewayError
+from gateway.ivr.conditions import Condition, ConditionError, compile_condition
 
 #: Longest sentence spoken as one utterance (~25 s of speech). Longer text should be split into
 #: several sentences so the caller can barge in between them and a failure loses less.
@@ -101,6 +102,8 @@ class _Map(dict[str, Any]):
 
     key_pos: dict[str, tuple[int, int]]
     value_pos: dict[str, tuple[int, int]]
+    #: YAML scalar style of each value (None plain, '"' or "'" quoted, '|' or '>' block).
+    value_style: dict[str, str | None]
     pos: tuple[int, int]
 
 
@@ -125,7 +128,8 @@ class _Loader(yaml.SafeLoader):
 
 def _construct_map(loader: _Loader, node: yaml.MappingNode) -> _Map:
     result = _Map()
-    result.key_pos, result.value_pos, result.pos = {}, {}, _mark(node)
+    result.key_pos, result.value_pos, result.value_style = {}, {}, {}
+    result.pos = _mark(node)
     loader.flatten_mapping(node)
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
@@ -135,6 +139,8 @@ def _construct_map(loader: _Loader, node: yaml.MappingNode) -> _Map:
         result[key] = loader.construct_object(value_node, deep=True)
         result.key_pos[key] = _mark(key_node)
         result.value_pos[key] = _mark(value_node)
+        result.value_style[key] = (value_node.style if isinstance(value_node, yaml.ScalarNode)
+                                   else None)
     return result
 
 
@@ -164,6 +170,26 @@ def _position(tree: Any, loc: Iterable[str | int]) -> tuple[int, int]:
         else:
             continue
     return pos
+
+
+def _text_position(tree: Any, path: Iterable[str | int], offset: int) -> tuple[int, int]:
+    """Position of character ``offset`` of the one-line scalar at ``path`` (a condition's
+    error points at the very character; a block scalar's at its first line)."""
+    parts = list(path)
+    line, column = _position(tree, parts)
+    parent: Any = tree
+    for part in parts[:-1]:
+        if isinstance(parent, (_Map, _Seq)):
+            try:
+                parent = parent[part]  # type: ignore[index]
+            except (KeyError, IndexError, TypeError):
+                return line, column
+    last = parts[-1] if parts else None
+    style = parent.value_style.get(last) if isinstance(parent, _Map) and isinstance(last, str) \
+        else None
+    if style in ("|", ">"):
+        return line + 1, column
+    return line, column + offset + (1 if style in ('"', "'") else 0)
 
 
 def _key_position(tree: Any, path: Iterable[str | int]) -> tuple[int, int]:
@@ -287,6 +313,53 @@ class Webhook(BaseModel):
         return value
 
 
+class Case(BaseModel):
+    """One case of a ``branch``: ``{if: CONDITION, goto: NODE}``, or the last, ``{else: NODE}``.
+
+    Conditions are :mod:`gateway.ivr.conditions` expressions over the call's variables."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    when: str | None = Field(None, alias="if")
+    goto: str | None = None
+    otherwise: str | None = Field(None, alias="else")
+
+    @model_validator(mode="after")
+    def _shape(self) -> Case:
+        if self.otherwise is not None:
+            if self.when is not None or self.goto is not None:
+                raise ValueError("'else' stands alone: '- else: NODE'")
+        elif self.when is None or self.goto is None:
+            raise ValueError("a case is '- if: CONDITION' with 'goto: NODE' (or '- else: NODE')")
+        return self
+
+    @property
+    def target(self) -> str:
+        target = self.otherwise if self.otherwise is not None else self.goto
+        assert target is not None
+        return target
+
+    @property
+    def condition(self) -> Condition | None:
+        """The parsed test (None for ``else``); the loader has checked that it parses."""
+        return compile_condition(self.when) if self.when is not None else None
+
+
+Cases = Annotated[list[Case], Field(min_length=1)]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One way out of a node, for reachability, the flow graph and the script tester."""
+
+    target: str
+    #: What takes this way, in the author's words ("1", 'balance > 500', "no answer", ...).
+    label: str
+    #: next | key | fallback | error | case | else | open | closed
+    kind: str
+    #: Where the target is written in the YAML (under the node).
+    path: tuple[str | int, ...]
+
+
 class Node(BaseModel):
     """One step of the call flow."""
 
@@ -298,24 +371,25 @@ class Node(BaseModel):
     webhook: Webhook | None = None
     transfer: str | None = None
     hangup: bool | None = None
+    #: Conditions on the call's variables, tried in order (see :class:`Case`).
+    branch: Cases | None = None
     next: str | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> Node:
         if self.say is not None and self.play is not None:
             raise ValueError("a node says or plays, not both: split it into two nodes")
-        steps = [name for name in ("gather", "webhook", "transfer", "hangup")
-                 if getattr(self, name) not in (None, False)]
+        steps = [name for name in STEPS if getattr(self, name) not in (None, False)]
         if self.hangup is False:
             raise ValueError("'hangup: false' means nothing; remove it or use 'next'")
         if len(steps) > 1:
             raise ValueError(f"a node does one thing after speaking; this one has "
                              f"{' and '.join(steps)}: split it into nodes")
-        if steps and steps[0] in ("transfer", "hangup", "gather") and self.next is not None:
+        if steps and steps[0] != "webhook" and self.next is not None:
             raise ValueError(f"'next' has no effect after '{steps[0]}'")
         if not steps and self.next is None:
             raise ValueError("this node does not say where the call goes: add 'next', "
-                             "'gather', 'webhook', 'transfer' or 'hangup: true'")
+                             f"{', '.join(repr(s) for s in STEPS[:-1])} or 'hangup: true'")
         if self.webhook is not None and self.next is None:
             raise ValueError("a webhook node needs 'next' (where to go when it succeeds)")
         if self.transfer is not None and not (
@@ -324,6 +398,58 @@ class Node(BaseModel):
             raise ValueError(f"transfer target '{self.transfer}' is neither an E.164 phone "
                              "number (+15551234567) nor a SIP URI (sip:agent@pbx.example.com)")
         return self
+
+    def edges(self) -> list[Edge]:
+        """Every way out of this node, in the order the runner tries them."""
+        out: list[Edge] = []
+        if self.gather is not None:
+            for key, target in self.gather.branch.items():
+                out.append(Edge(target, "any other key" if key == "default" else key, "key",
+                                ("gather", "branch", key)))
+            if self.gather.fallback is not None:
+                out.append(Edge(self.gather.fallback, "no answer", "fallback",
+                                ("gather", "fallback")))
+        if self.branch is not None:
+            for i, case in enumerate(self.branch):
+                if case.when is not None:
+                    out.append(Edge(case.target, case.when, "case", ("branch", i, "goto")))
+                else:
+                    out.append(Edge(case.target, "else", "else", ("branch", i, "else")))
+        if self.next is not None:
+            out.append(Edge(self.next, "", "next", ("next",)))
+        if self.webhook is not None and self.webhook.on_error is not None:
+            out.append(Edge(self.webhook.on_error, "error", "error", ("webhook", "on_error")))
+        return out
+
+    def dead_cases(self) -> dict[int, str]:
+        """Cases of this node's ``branch`` that can never be chosen, with the reason."""
+        dead: dict[int, str] = {}
+        seen: dict[str, int] = {}
+        always: int | None = None
+        for i, case in enumerate(self.branch or []):
+            try:
+                condition = case.condition
+            except ConditionError:
+                continue  # the loader reports it where it is
+            if always is not None:
+                dead[i] = f"case {always + 1} always holds, so nothing after it is chosen"
+                continue
+            if condition is None:
+                continue
+            if not condition.variables:
+                if condition.evaluate({}):
+                    always = i
+                else:
+                    dead[i] = "its test reads no variable and never holds"
+                    continue
+            earlier = seen.setdefault(condition.canonical, i)
+            if earlier != i:
+                dead[i] = f"case {earlier + 1} already tests the same thing"
+        return dead
+
+
+#: What a node does after speaking (exactly one, or 'next').
+STEPS = ("gather", "webhook", "transfer", "branch", "hangup")
 
 
 class Script(BaseModel):
@@ -340,6 +466,16 @@ class Script(BaseModel):
 
     #: Where the script came from (set by the loader; not part of the YAML).
     path: Path | None = Field(None, exclude=True)
+
+    # --- the flow -------------------------------------------------------------------------
+
+    def successors(self, name: str) -> list[str]:
+        """Nodes a call can go to from ``name`` (cases that can never hold left out)."""
+        node = self.nodes[name]
+        dead = node.dead_cases() if node.branch is not None else {}
+        return [edge.target for edge in node.edges()
+                if edge.target in self.nodes
+                and not (edge.kind in ("case", "else") and edge.path[1] in dead)]
 
     # --- what speaks ----------------------------------------------------------------------
 
@@ -558,6 +694,15 @@ def _check_logic(
             for digits, target in g.branch.items():
                 check_node_ref(target, (*base, "gather", "branch", digits),
                                f"node '{name}' sends '{digits}' to")
+                where = _key_position(tree, (*base, "gather", "branch", digits))
+                if digits == "default":
+                    continue
+                if g.digits is not None and len(digits) > g.digits:
+                    report(where, f"node '{name}' key '{digits}' is unreachable: the gather "
+                                  f"stops after {g.digits} digit{'s' if g.digits > 1 else ''}")
+                elif g.terminator is not None and g.terminator in digits:
+                    report(where, f"node '{name}' key '{digits}' is unreachable: "
+                                  f"'{g.terminator}' ends the input, it is never part of it")
             check_node_ref(g.fallback, (*base, "gather", "fallback"),
                            f"node '{name}' falls back to")
             if g.fallback is None and script.error is None:
@@ -572,6 +717,31 @@ def _check_logic(
             if node.webhook.on_error is None and script.error is None:
                 report(pos(*base, "webhook"), f"node '{name}' calls a webhook with nowhere to go "
                                               "if it fails: add 'on_error: <node>'")
+        if node.branch is not None:
+            dead = node.dead_cases()
+            if node.branch[-1].otherwise is None:
+                report(_key_position(tree, (*base, "branch")),
+                       f"node '{name}' branches without '- else: NODE' as its last case (where "
+                       "the call goes when no test holds)")
+            for i, case in enumerate(node.branch):
+                field = "if" if case.when is not None else "else"
+                if case.otherwise is not None and i != len(node.branch) - 1:
+                    report(pos(*base, "branch", i, "else"),
+                           f"node '{name}' case {i + 1}: 'else' must be the last case (the "
+                           "cases after it could never be chosen)")
+                if case.when is not None:
+                    try:
+                        compile_condition(case.when)
+                    except ConditionError as exc:
+                        report(_text_position(tree, (*base, "branch", i, "if"), exc.offset),
+                               f"node '{name}' case {i + 1}: {exc.message}")
+                        continue
+                if i in dead:
+                    report(pos(*base, "branch", i, field),
+                           f"node '{name}' case {i + 1} is unreachable: {dead[i]}")
+                check_node_ref(case.target, (*base, "branch", i,
+                                             "goto" if case.when is not None else "else"),
+                               f"node '{name}' case {i + 1} goes to")
         if node.play is not None and base_dir is not None:
             wav = (base_dir / node.play).resolve()
             if not wav.is_file():
@@ -586,13 +756,7 @@ def _check_logic(
         if current in reachable:
             continue
         reachable.add(current)
-        node = nodes[current]
-        targets = [node.next]
-        if node.gather is not None:
-            targets += [*node.gather.branch.values(), node.gather.fallback]
-        if node.webhook is not None:
-            targets.append(node.webhook.on_error)
-        queue.extend(t for t in targets if t in nodes and t not in reachable)
+        queue.extend(t for t in script.successors(current) if t not in reachable)
     for name in nodes:
         if name not in reachable:
             report(_key_position(tree, ("nodes", name)),
@@ -605,6 +769,19 @@ def _check_logic(
             settable.add(node.gather.store)
         if node.webhook is not None:
             settable.update(node.webhook.sets)
+    for name, node in nodes.items():
+        for i, case in enumerate(node.branch or []):
+            if case.when is None:
+                continue
+            try:
+                condition = compile_condition(case.when)
+            except ConditionError:
+                continue  # reported above
+            for variable, offset in condition.variables.items():
+                if variable not in settable:
+                    report(_text_position(tree, ("nodes", name, "branch", i, "if"), offset),
+                           f"node '{name}' case {i + 1} tests variable '{variable}', which "
+                           f"nothing sets ({_SETTERS})")
     for prompt_name, text in script.prompts.items():
         _check_sentence(text, pos("prompts", prompt_name), settable, report)
     used_prompts: set[str] = set()
@@ -627,6 +804,10 @@ def _check_logic(
                 if variable not in settable:
                     report(pos("nodes", name, "webhook", "send"),
                            f"node '{name}' sends variable '{variable}', which nothing sets")
+
+
+#: How a variable gets a value, for messages about one that nothing sets.
+_SETTERS = "a gather's 'store', a webhook's 'sets', or 'variables'"
 
 
 def _say_item_paths(script: Script) -> Iterator[tuple[tuple[str | int, ...], SayItem]]:
@@ -658,5 +839,4 @@ def _check_sentence(
         return
     for variable in names:
         if variable not in settable:
-            report(where, f"variable '{{{variable}}}' is used but nothing sets it (a gather's "
-                          "'store', a webhook's 'sets', or 'variables')")
+            report(where, f"variable '{{{variable}}}' is used but nothing sets it ({_SETTERS})")
