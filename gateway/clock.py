@@ -7,7 +7,8 @@ admission, drain and the IVR runner (gather timeouts and the webhook deadline). 
 on :class:`SystemClock`; tests drive a virtual clock (``tests/clocks.py``) so a 5 s gather
 timeout, a 30 s reservation or a 110 s drain grace costs no real time.
 
-The protocol is small on purpose: a reading (:meth:`Clock.now`) and the four ways the gateway
+The protocol is small on purpose: two readings (:meth:`Clock.now`, monotonic, and
+:meth:`Clock.wall`, the time of day that business hours need) and the four ways the gateway
 waits. Everything else (deadlines, pacing) is arithmetic on :meth:`Clock.now`.
 """
 
@@ -35,6 +36,11 @@ class Clock(Protocol):
 
     def now(self) -> float:
         """Seconds on a monotonic scale (only differences mean anything)."""
+        ...
+
+    def wall(self) -> float:
+        """Seconds since the Unix epoch (``time.time()``): the time of day, for business
+        hours. Never used to measure intervals (it jumps when the host's clock is set)."""
         ...
 
     async def sleep(self, seconds: float) -> None:
@@ -68,6 +74,9 @@ class SystemClock:
 
     def now(self) -> float:
         return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
@@ -72,8 +73,10 @@ class _Timeout:
 class VirtualClock:
     """A :class:`gateway.clock.Clock` whose time moves only in :meth:`advance`."""
 
-    def __init__(self, start: float = 0.0) -> None:
+    def __init__(self, start: float = 0.0, wall_start: float = 1_750_000_000.0) -> None:
         self._now = start
+        #: Unix time at ``start`` (default: a Sunday afternoon in June 2025, UTC).
+        self._wall_offset = wall_start - start
         self._timers: list[_Timer] = []
         self._seq = itertools.count()
         #: Timed waits (``wait_for`` with a timeout) started so far: a test waits for the code
@@ -83,6 +86,13 @@ class VirtualClock:
 
     def now(self) -> float:
         return self._now
+
+    def wall(self) -> float:
+        return self._wall_offset + self._now
+
+    def set_wall(self, epoch_s: float) -> None:
+        """Say what time of day it is now (monotonic time does not move)."""
+        self._wall_offset = epoch_s - self._now
 
     def call_later(self, seconds: float, callback: Callable[[], None]) -> _Timer:
         timer = _Timer(self._now + max(0.0, seconds), next(self._seq), callback)
@@ -161,9 +171,13 @@ class LoopClock:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._wall_offset = time.time() - loop.time()
 
     def now(self) -> float:
         return self._loop.time()
+
+    def wall(self) -> float:
+        return self._wall_offset + self._loop.time()
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))

@@ -567,3 +567,42 @@ async def test_a_webhook_answer_decides_where_the_call_goes(
     await h.finished()
     assert h.runner.path == ["lookup", "route", path]
     assert h.transport.outcome == outcome
+
+
+# --- business hours ---------------------------------------------------------------------------
+
+OFFICE_HOURS = """name: t
+voice: {speaker: ryan}
+start: office
+nodes:
+  office:
+    hours:
+      timezone: America/New_York
+      weekly: {mon-fri: "08:00-18:00"}
+      holidays: [2025-07-04]
+      open: agent
+      closed: shut
+  agent: {transfer: "+15555550100"}
+  shut: {hangup: true}
+"""
+
+
+@pytest.mark.parametrize(
+    ("local_time", "path"),
+    [
+        ("2025-07-03T09:00:00-04:00", "agent"),  # Thursday morning
+        ("2025-07-03T18:30:00-04:00", "shut"),  # Thursday evening
+        ("2025-07-04T09:00:00-04:00", "shut"),  # Independence Day
+        ("2025-07-03T13:00:00+00:00", "agent"),  # 09:00 in New York
+    ],
+)
+async def test_an_hours_node_routes_by_the_injected_clock(
+    speech: SpeechService, engine: Engine, local_time: str, path: str
+) -> None:
+    from datetime import datetime
+
+    h = Harness(parse_script(OFFICE_HOURS), speech, engine)
+    h.clock.set_wall(datetime.fromisoformat(local_time).timestamp())
+    await h.start(prerender=False)
+    await h.finished()
+    assert h.runner.path == ["office", path]

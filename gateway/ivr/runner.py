@@ -160,6 +160,11 @@ class IvrRunner:
                 return node.next
             if node.branch is not None:
                 return self._branch(name, node.branch)
+            if node.hours is not None:
+                is_open = node.hours.schedule.is_open_at(self.clock.wall())
+                log.info("call %s: node %s: %s", self.call.call_id, name,
+                         "open" if is_open else "closed")
+                return node.hours.open if is_open else node.hours.closed
             if node.transfer is not None:
                 await self.call.end(TransferTo(node.transfer))
                 return None

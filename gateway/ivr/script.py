@@ -31,11 +31,13 @@ speaker, text too long for one utterance, duplicate names).
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -52,6 +54,7 @@ from pydantic import (
 
 from gateway.errors import GatewayError
 from gateway.ivr.conditions import Condition, ConditionError, compile_condition
+from gateway.ivr.hours import HoursError, Schedule
 
 #: Longest sentence spoken as one utterance (~25 s of speech). Longer text should be split into
 #: several sentences so the caller can barge in between them and a failure loses less.
@@ -346,6 +349,37 @@ class Case(BaseModel):
 
 Cases = Annotated[list[Case], Field(min_length=1)]
 
+#: A day's hours: "08:00-18:00", "08:00-12:00, 13:00-17:00", a list of ranges, or "closed".
+DayHours = str | list[str]
+
+
+class Holiday(BaseModel):
+    """A date with hours of its own (a date alone in ``holidays`` is closed all day)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    date: date
+    hours: DayHours = "closed"
+
+
+class Hours(BaseModel):
+    """Open or closed now, by a weekly schedule in a named time zone (see :mod:`.hours`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    timezone: str
+    weekly: dict[str, DayHours]
+    holidays: list[date | Holiday] = Field(default_factory=list)
+    open: str
+    closed: str
+
+    def holiday_hours(self) -> list[tuple[date, DayHours]]:
+        return [(h, "closed") if isinstance(h, date) else (h.date, h.hours)
+                for h in self.holidays]
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """The compiled schedule (the loader has checked that it compiles)."""
+        return Schedule.compile(self.timezone, self.weekly, self.holiday_hours())
+
 
 @dataclass(frozen=True)
 class Edge:
@@ -373,6 +407,8 @@ class Node(BaseModel):
     hangup: bool | None = None
     #: Conditions on the call's variables, tried in order (see :class:`Case`).
     branch: Cases | None = None
+    #: Open or closed by the clock (see :class:`Hours`).
+    hours: Hours | None = None
     next: str | None = None
 
     @model_validator(mode="after")
@@ -415,6 +451,9 @@ class Node(BaseModel):
                     out.append(Edge(case.target, case.when, "case", ("branch", i, "goto")))
                 else:
                     out.append(Edge(case.target, "else", "else", ("branch", i, "else")))
+        if self.hours is not None:
+            out.append(Edge(self.hours.open, "open", "open", ("hours", "open")))
+            out.append(Edge(self.hours.closed, "closed", "closed", ("hours", "closed")))
         if self.next is not None:
             out.append(Edge(self.next, "", "next", ("next",)))
         if self.webhook is not None and self.webhook.on_error is not None:
@@ -449,7 +488,7 @@ class Node(BaseModel):
 
 
 #: What a node does after speaking (exactly one, or 'next').
-STEPS = ("gather", "webhook", "transfer", "branch", "hangup")
+STEPS = ("gather", "webhook", "transfer", "branch", "hours", "hangup")
 
 
 class Script(BaseModel):
@@ -742,6 +781,11 @@ def _check_logic(
                 check_node_ref(case.target, (*base, "branch", i,
                                              "goto" if case.when is not None else "else"),
                                f"node '{name}' case {i + 1} goes to")
+        if node.hours is not None:
+            _check_hours(name, node.hours, tree, base, report)
+            for field in ("open", "closed"):
+                check_node_ref(getattr(node.hours, field), (*base, "hours", field),
+                               f"node '{name}' goes when {field} to")
         if node.play is not None and base_dir is not None:
             wav = (base_dir / node.play).resolve()
             if not wav.is_file():
@@ -804,6 +848,23 @@ def _check_logic(
                 if variable not in settable:
                     report(pos("nodes", name, "webhook", "send"),
                            f"node '{name}' sends variable '{variable}', which nothing sets")
+
+
+def _check_hours(name: str, hours: Hours, tree: _Map, base: tuple[str, ...],
+                 report: Callable[[tuple[int, int], str], None]) -> None:
+    try:
+        Schedule.compile(hours.timezone, hours.weekly, hours.holiday_hours())
+    except HoursError as exc:
+        where = _position(tree, (*base, "hours"))
+        if exc.key == hours.timezone:
+            where = _position(tree, (*base, "hours", "timezone"))
+        elif exc.key in hours.weekly:
+            where = _key_position(tree, (*base, "hours", "weekly", exc.key))
+        else:
+            for i, (day, _) in enumerate(hours.holiday_hours()):
+                if day.isoformat() == exc.key:
+                    where = _position(tree, (*base, "hours", "holidays", i))
+        report(where, f"node '{name}' hours: {exc.message}")
 
 
 #: How a variable gets a value, for messages about one that nothing sets.
