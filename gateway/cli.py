@@ -318,7 +318,14 @@ def prompts_render(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gateway.ivr.cache import PromptCache
-    from gateway.ivr.prompts import prompt_key, render_blocking, request_for, resolve_voice
+    from gateway.ivr.prompts import (
+        prompt_key_for,
+        render_blocking,
+        renders,
+        request_for,
+        resolve_clones,
+        resolve_voice,
+    )
     from gateway.ivr.script import ScriptError, load_script
     from gateway.tts.qwen import QwenEngine
 
@@ -340,19 +347,20 @@ def prompts_render(
     hits = 0
     for script in scripts:
         voice = resolve_voice(script, settings.voices_dir)
-        for text in script.static_sentences():
-            key = prompt_key(script, engine.fingerprint, voice.identity, text)
+        clones = resolve_clones(script, settings.voices_dir)
+        for text, spec, resolved in renders(script, voice, clones):
+            key = prompt_key_for(spec, engine.fingerprint, resolved.identity, text)
             if cache.on_disk(key):
                 hits += 1
             else:
-                todo.append((script, voice, key, text))
+                todo.append((request_for(spec, text, resolved), key))
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn())
     with Progress(*columns, transient=False) as progress:
         task = progress.add_task("rendering prompts", total=len(todo))
-        for script, voice, key, text in todo:
+        for request, key in todo:
             t0 = time.perf_counter()
-            cache.put(key, render_blocking(engine, request_for(script, text, voice), phone),
+            cache.put(key, render_blocking(engine, request, phone),
                       render_s=time.perf_counter() - t0)
             progress.advance(task)
     typer.echo(f"{hits} already cached, {len(todo)} rendered into {settings.cache_dir} "

@@ -221,14 +221,15 @@ async def test_menu_account_lookup_and_goodbye(
     await h.start()
     await h.waiting_for_input()
     assert h.runner.path == ["welcome", "menu"]
-    assert h.spoken()[:2] == [demo.prompts["welcome"], demo.sentence("main_menu")]
+    assert h.spoken()[:3] == [demo.prompts["welcome"], "Para español, oprima 8.",
+                              demo.sentence("main_menu")]
     # Static prompts came from the cache: no generation for them.
     assert all(u.cached for u in h.call.utterances)
     await h.press("1")
     await h.waiting_for_input()
     await h.press("123456#")
     await h.waiting_for_input()
-    assert h.runner.path[-4:] == ["account", "lookup", "balance", "anything_else"]
+    assert h.runner.path[-5:] == ["account", "lookup", "route", "balance", "anything_else"]
     assert h.requests == [
         {
             "call_id": h.call.call_id,
@@ -606,3 +607,80 @@ async def test_an_hours_node_routes_by_the_injected_clock(
     await h.start(prerender=False)
     await h.finished()
     assert h.runner.path == ["office", path]
+
+
+# --- language and voice changes ---------------------------------------------------------------
+
+BILINGUAL = """name: t
+voice: {speaker: ryan}
+start: menu
+prompts:
+  menu_text: Press 2 for Spanish, 3 for Serena.
+  bye: Goodbye.
+  thanks: Thanks, {caller}.
+translations:
+  Spanish:
+    bye: Adiós.
+    thanks: Gracias, {caller}.
+nodes:
+  menu:
+    gather: {prompt: menu_text, digits: 1, retries: 0, branch: {"2": spanish, "3": serena},
+             fallback: done}
+  spanish:
+    set: {language: spanish, chosen: "{language} then"}
+    next: done
+  serena:
+    voice: {speaker: serena}
+    next: done
+  done:
+    say: [bye, thanks]
+    hangup: true
+"""
+
+
+@pytest.mark.parametrize(
+    ("key", "language", "speaker", "bye"),
+    [("2", "Spanish", "ryan", "Adiós."), ("3", "English", "serena", "Goodbye."),
+     ("1", "English", "ryan", "Goodbye.")],
+)
+async def test_a_node_changes_the_calls_language_or_voice_and_the_cache_keys_follow(
+    speech: SpeechService, engine: Engine, monkeypatch: pytest.MonkeyPatch,
+    key: str, language: str, speaker: str, bye: str,
+) -> None:
+    from gateway.tts.engine import SpeechRequest
+
+    requests: list[SpeechRequest] = []
+    original = Speaker.request
+
+    def recording(self: Speaker, text: str, call_id: str, utterance_id: str) -> SpeechRequest:
+        request = original(self, text, call_id, utterance_id)
+        requests.append(request)
+        return request
+
+    monkeypatch.setattr(Speaker, "request", recording)
+    script = parse_script(BILINGUAL)
+    # Every fixed sentence in every voice and language a node may speak it in.
+    assert {(text, v.language, v.speaker) for text, v in script.static_renders()} == {
+        ("Press 2 for Spanish, 3 for Serena.", "English", "ryan"),
+        ("Goodbye.", "English", "ryan"), ("Adiós.", "Spanish", "ryan"),
+        ("Goodbye.", "English", "serena"),
+    }
+    h = Harness(script, speech, engine)
+    await h.start()
+    await h.waiting_for_input()
+    await h.press(key)
+    await h.finished()
+    voice = h.runner.voice
+    assert (voice.language, voice.speaker) == (language, speaker)
+    assert h.runner.variables["language"] == language
+    said = h.call.utterances[-2:]
+    assert [u.text for u in said] == [bye, ("Gracias" if language == "Spanish" else "Thanks")
+                                      + ", +15550001111."]
+    # The fixed sentence came from the cache under the new voice's key...
+    assert said[0].cached and h.cache.peek(h.context.key(bye, voice)) is not None
+    # ...and the live one was generated in it.
+    live = [r for r in requests if r.text == said[1].text]
+    assert [(r.language, r.speaker) for r in live] == [(language, speaker)]
+    if key == "2":
+        assert h.runner.variables["chosen"] == "Spanish then"
+        assert h.context.key("Adiós.", voice).language == "Spanish"

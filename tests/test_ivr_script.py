@@ -19,6 +19,10 @@ def test_the_demo_script_is_valid() -> None:
     statics = script.static_sentences()
     assert "Thank you for calling Acme Energy." in statics
     assert not any("{" in text for text in statics)  # the balance sentence is live
+    assert script.languages_spoken() == ["English", "Spanish"]
+    spanish = {text for text, voice in script.static_renders() if voice.language == "Spanish"}
+    assert "Para español, oprima 8." in spanish
+    assert script.sentence("main_menu", "Spanish").startswith("Para el saldo de su cuenta")
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in GOLDEN.glob("*.yaml")))
@@ -91,7 +95,7 @@ def test_templates_insert_values_as_plain_text() -> None:
 
 def test_cli_validate_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["prompts", "validate", str(ROOT / "prompts" / "demo.yaml")]) == 0
-    assert "ok (9 nodes" in capsys.readouterr().out
+    assert "ok (12 nodes, 20 cached sentences)" in capsys.readouterr().out
     assert main(["prompts", "validate", str(GOLDEN / "duplicates.yaml")]) == 1
     err = capsys.readouterr().err
     assert "duplicates.yaml:6:3: error: 'hi' is defined twice" in err
@@ -125,8 +129,9 @@ def test_prompts_render_is_resumable(
         ]
     )
     assert code == 0
-    assert "9 already cached, 0 rendered" in capsys.readouterr().out
-    assert len(list(demo_cache_dir.rglob("*.wav"))) == 9
+    # 10 English sentences, their 9 Spanish translations and the Spanish offer.
+    assert "20 already cached, 0 rendered" in capsys.readouterr().out
+    assert len(list(demo_cache_dir.rglob("*.wav"))) == 20
 
 
 def test_a_branch_ends_with_else_and_else_comes_last() -> None:

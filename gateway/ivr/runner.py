@@ -41,9 +41,12 @@ from gateway.call.events import (
 from gateway.call.session import Call, Dialog, Utterance
 from gateway.clock import Clock, SystemClock
 from gateway.ivr.cache import PromptCache, PromptKey
+from gateway.ivr.prompts import ResolvedVoice, prompt_key_for, speaker_identity
 from gateway.ivr.script import (
+    BUILTIN_VARIABLES,
     Case,
     Gather,
+    Node,
     SayItem,
     Script,
     Sentence,
@@ -51,7 +54,9 @@ from gateway.ivr.script import (
     render,
     template_variables,
 )
+from gateway.ivr.script import Voice as ScriptVoice
 from gateway.speech import Speaker
+from gateway.speech import Voice as SpeechVoice
 
 log = logging.getLogger(__name__)
 
@@ -85,17 +90,35 @@ class RunnerContext:
     http: httpx.AsyncClient | None = None
     #: WAV files named by ``play`` nodes, loaded and converted to 8 kHz PCM at start-up.
     sounds: dict[str, np.ndarray] = field(default_factory=dict)
+    #: Cloned voices a node's ``voice:`` switches to, by name (resolved at start-up).
+    clones: dict[str, ResolvedVoice] = field(default_factory=dict)
 
-    def key(self, text: str) -> PromptKey:
-        voice = self.script.voice
-        return PromptKey(
-            model=self.model_fingerprint,
-            voice=self.voice_identity,
-            language=voice.language,
-            style=voice.style,
-            text=text,
-            seed=voice.seed,
-        )
+    def key(self, text: str, voice: ScriptVoice | None = None) -> PromptKey:
+        """The cache key of ``text`` spoken with ``voice`` (default: the script's)."""
+        voice = voice if voice is not None else self.script.voice
+        return prompt_key_for(voice, self.model_fingerprint, self.identity(voice), text)
+
+    def identity(self, voice: ScriptVoice) -> str:
+        """The voice part of a cache key (a clone's includes the hash of its stored prompt)."""
+        if voice.clone is None:
+            return speaker_identity(voice)
+        if voice.clone == self.script.voice.clone:
+            return self.voice_identity
+        return self.clones[voice.clone].identity
+
+    def speaker_for(self, voice: ScriptVoice) -> Speaker:
+        """Live speech in ``voice``: the gateway's speaker for the script's own voice, the same
+        speech service in another voice after a node changed it."""
+        if voice == self.script.voice:
+            return self.speaker
+        prompt = self.speaker.voice.prompt
+        if voice.clone is not None and voice.clone != self.script.voice.clone:
+            prompt = self.clones[voice.clone].prompt
+        return self.speaker.with_voice(SpeechVoice(
+            speaker=(voice.speaker or "ryan").lower(), language=voice.language,
+            instruct=voice.style, seed=self.speaker.voice.seed,
+            prompt=prompt if voice.clone is not None else None,
+        ))
 
 
 class IvrDialogs:
@@ -123,6 +146,9 @@ class IvrRunner:
         self.script = context.script
         self.clock = context.clock
         self.variables: dict[str, str] = {**self.script.variables, **variables}
+        #: Who speaks now (a node's ``voice`` or ``set: {language}`` changes it).
+        self.voice: ScriptVoice = self.script.voice
+        self.variables["language"] = self.voice.language
         self.typeahead: list[str] = []
         self.path: list[str] = []
         # When the caller's current turn ended (None once an utterance has answered it).
@@ -148,6 +174,7 @@ class IvrRunner:
     async def _step(self, name: str) -> str | None:
         node = self.script.nodes[name]
         self.path.append(name)
+        self._arrive(node)
         try:
             if node.say:
                 await self._speak(node.say, barge_in=node.barge_in)
@@ -179,6 +206,20 @@ class IvrRunner:
                 await self.call.end(HangUp())
             return target
 
+    def _arrive(self, node: Node) -> None:
+        """Apply the node's ``voice`` and ``set`` (before it says anything; the language
+        first, so the other values may read it)."""
+        voice = node.voice_after(self.voice)
+        if voice != self.voice:
+            if voice.language != self.voice.language:
+                log.info("call %s: language %s -> %s", self.call.call_id, self.voice.language,
+                         voice.language)
+            self.voice = voice
+            self.variables["language"] = voice.language
+        for variable, value in (node.assign or {}).items():
+            if variable != "language":
+                self.variables[variable] = render(value, self.variables)
+
     def _on_error(self, name: str) -> str | None:
         node = self.script.nodes[name]
         if node.webhook is not None and node.webhook.on_error:
@@ -204,30 +245,34 @@ class IvrRunner:
     async def _speak(self, items: Sequence[SayItem], *, barge_in: bool) -> bool:
         """Say ``items`` in order; False if the caller barged in (the rest is skipped)."""
         for item in items:
-            text = render(self.script.sentence(item), self.variables)
+            voice = self.script.spoken_voice(item, self.voice)
+            template = self.script.sentence(item, voice.language)
+            text = render(template, self.variables)
             if not text.strip():
                 continue
-            utterance = self._start_utterance(item, text)
+            utterance = self._start_utterance(item, template, text, voice)
             if not await self._wait_played(utterance, barge_in=barge_in):
                 return False
-            self._after_utterance(item, text, utterance)
+            self._after_utterance(text, voice, utterance)
         return True
 
-    def _start_utterance(self, item: SayItem, text: str) -> Utterance:
-        static = not template_variables(self.script.sentence(item))
+    def _start_utterance(self, item: SayItem, template: str, text: str,
+                         voice: ScriptVoice) -> Utterance:
+        static = not template_variables(template)
         cacheable = static or (isinstance(item, Sentence) and item.cache)
         turn, self._turn_at = self._turn_at, None
         if cacheable:
-            pcm = self.ctx.cache.peek(self.ctx.key(text))
+            pcm = self.ctx.cache.peek(self.ctx.key(text, voice))
             if pcm is not None:
                 return self.call.play(pcm, label=text, turn_started_at=turn)
-        return self.ctx.speaker.say(self.call, text, turn_started_at=turn, capture=cacheable)
+        return self.ctx.speaker_for(voice).say(self.call, text, turn_started_at=turn,
+                                               capture=cacheable)
 
-    def _after_utterance(self, item: SayItem, text: str, utterance: Utterance) -> None:
+    def _after_utterance(self, text: str, voice: ScriptVoice, utterance: Utterance) -> None:
         # A cacheable sentence rendered live (a cache miss) is stored once complete.
         pcm = utterance.captured_pcm()
         if pcm is not None and len(pcm):
-            key = self.ctx.key(text)
+            key = self.ctx.key(text, voice)
             # The next caller plays it from memory at once; the disk write (and its fsync) runs
             # off the event loop, so a slow or hung disk never stalls this replica's calls.
             self.ctx.cache.put(key, pcm, to_disk=False)
@@ -382,6 +427,9 @@ class IvrRunner:
         if not isinstance(data, dict):
             raise _Failed(f"webhook {hook.url} answered JSON that is not an object")
         merged = _merge_variables(data)
+        # The call's own variables are facts of the call, not the backend's to change.
+        for name in BUILTIN_VARIABLES:
+            merged.pop(name, None)
         self.variables.update(merged)
         # The turn that follows a webhook is measured from its answer.
         self._turn_at = self.clock.now()

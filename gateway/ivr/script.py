@@ -67,8 +67,18 @@ SPEAKERS = ("aiden", "dylan", "eric", "ono_anna", "ryan", "serena", "sohee", "un
 LANGUAGES = ("Auto", "Chinese", "English", "French", "German", "Italian", "Japanese", "Korean",
              "Portuguese", "Russian", "Spanish")
 
-#: Variables every call has.
-BUILTIN_VARIABLES = frozenset({"caller", "called", "call_id"})
+#: Variables every call has (``language``: the language the call speaks now).
+BUILTIN_VARIABLES = frozenset({"caller", "called", "call_id", "language"})
+#: Variables a script cannot set (they come from the call).
+CALL_VARIABLES = frozenset({"caller", "called", "call_id"})
+
+
+def canonical_language(name: str, languages: Iterable[str] = LANGUAGES) -> str:
+    """``spanish`` -> ``Spanish`` (the model's spelling); unknown names are kept as written."""
+    for known in languages:
+        if known.lower() == name.lower():
+            return known
+    return name
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PHONE = re.compile(r"^\+[1-9][0-9]{6,14}$")
@@ -240,6 +250,8 @@ class Sentence(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     text: str
     cache: bool = False
+    #: Always spoken in this language, whatever the call's ("Para español, oprima 8.").
+    language: str | None = None
 
 
 SayItem = str | Sentence
@@ -263,6 +275,40 @@ class Voice(BaseModel):
             raise ValueError("give exactly one of 'speaker' (a built-in voice) or 'clone' "
                              "(a voice registered with `gateway voices add`)")
         return self
+
+
+class VoiceChange(BaseModel):
+    """A node's ``voice:``: who speaks from this node on (only the fields given change)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    speaker: str | None = None
+    clone: str | None = None
+    language: str | None = None
+    style: str | None = None
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> VoiceChange:
+        if self.speaker is not None and self.clone is not None:
+            raise ValueError("give 'speaker' or 'clone', not both")
+        if all(getattr(self, f) is None for f in type(self).model_fields):
+            raise ValueError("'voice' changes nothing: give a speaker, clone, language, "
+                             "style or seed")
+        return self
+
+
+def _set_values(value: Any) -> Any:
+    """``set:`` values as text, the way a webhook's are (true -> "yes")."""
+    if not isinstance(value, dict):
+        return value
+    out: dict[Any, Any] = {}
+    for key, item in value.items():
+        if isinstance(item, bool):
+            item = "yes" if item else "no"
+        elif isinstance(item, (int, float)):
+            item = str(item)
+        out[key] = item
+    return out
 
 
 class Gather(BaseModel):
@@ -397,7 +443,12 @@ class Edge:
 class Node(BaseModel):
     """One step of the call flow."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    #: Variables set on arrival (``language`` changes the call's language).
+    assign: Annotated[dict[str, str], BeforeValidator(_set_values)] | None = Field(
+        None, alias="set")
+    #: Who speaks from this node on.
+    voice: VoiceChange | None = None
     say: SayList | None = None
     play: str | None = None
     barge_in: bool = True
@@ -434,6 +485,24 @@ class Node(BaseModel):
             raise ValueError(f"transfer target '{self.transfer}' is neither an E.164 phone "
                              "number (+15551234567) nor a SIP URI (sip:agent@pbx.example.com)")
         return self
+
+    def voice_after(self, voice: Voice, languages: Iterable[str] = LANGUAGES) -> Voice:
+        """The call's voice once this node's ``voice`` and ``set: {language}`` apply."""
+        update: dict[str, Any] = {}
+        change = self.voice
+        if change is not None:
+            if change.speaker is not None:
+                update.update(speaker=change.speaker, clone=None)
+            if change.clone is not None:
+                update.update(clone=change.clone, speaker=None)
+            for field in ("language", "style", "seed"):
+                if getattr(change, field) is not None:
+                    update[field] = getattr(change, field)
+        if self.assign is not None and "language" in self.assign:
+            update["language"] = self.assign["language"]
+        if "language" in update:
+            update["language"] = canonical_language(update["language"], languages)
+        return voice.model_copy(update=update) if update else voice
 
     def edges(self) -> list[Edge]:
         """Every way out of this node, in the order the runner tries them."""
@@ -501,6 +570,8 @@ class Script(BaseModel):
     error: str | None = None
     variables: dict[str, str] = Field(default_factory=dict)
     prompts: dict[str, str] = Field(default_factory=dict)
+    #: Language -> prompt name -> text: what a prompt says when the call speaks that language.
+    translations: dict[str, dict[str, str]] = Field(default_factory=dict)
     nodes: dict[str, Node]
 
     #: Where the script came from (set by the loader; not part of the YAML).
@@ -521,19 +592,98 @@ class Script(BaseModel):
     def is_prompt_ref(self, item: SayItem) -> bool:
         return isinstance(item, str) and item in self.prompts
 
-    def sentence(self, item: SayItem) -> str:
-        """The text an item stands for (a prompt's text, or the literal sentence)."""
+    def sentence(self, item: SayItem, language: str | None = None) -> str:
+        """The text an item stands for in ``language`` (default: the script's): a prompt's
+        text or its translation, or the literal sentence."""
         if isinstance(item, Sentence):
             return item.text
+        if item in self.prompts and language is not None:
+            translated = self.translation(language).get(item)
+            if translated is not None:
+                return translated
         return self.prompts.get(item, item)
 
+    def translation(self, language: str) -> dict[str, str]:
+        """The prompts translated into ``language`` (empty for the script's own language)."""
+        if language.lower() == self.voice.language.lower():
+            return {}
+        for name, texts in self.translations.items():
+            if name.lower() == language.lower():
+                return texts
+        return {}
+
+    def spoken_voice(self, item: SayItem, voice: Voice) -> Voice:
+        """The voice ``item`` is spoken with when the call's voice is ``voice``."""
+        if isinstance(item, Sentence) and item.language is not None:
+            language = canonical_language(item.language)
+            if language != voice.language:
+                return voice.model_copy(update={"language": language})
+        return voice
+
+    def voice_states(self) -> dict[str, list[Voice]]:
+        """For each reachable node, every voice it may speak with (after its own ``voice`` and
+        ``set: {language}``): the call's voice is a fact of the path, found by following the
+        flow from ``start``. The error node may be reached from any node."""
+        arriving: dict[str, list[Voice]] = {}
+
+        def add(name: str, voice: Voice) -> bool:
+            seen = arriving.setdefault(name, [])
+            if voice in seen:
+                return False
+            seen.append(voice)
+            return True
+
+        queue: deque[str] = deque()
+        if self.start in self.nodes:
+            add(self.start, self.voice)
+            queue.append(self.start)
+        while True:
+            while queue:
+                name = queue.popleft()
+                node = self.nodes[name]
+                for voice in list(arriving[name]):
+                    after = node.voice_after(voice)
+                    queue.extend(t for t in self.successors(name) if add(t, after))
+            if self.error not in self.nodes:
+                break
+            error = self.error
+            grew = [add(error, self.nodes[name].voice_after(voice))
+                    for name, voices in list(arriving.items()) for voice in list(voices)]
+            if not any(grew):
+                break
+            queue.append(error)
+        states: dict[str, list[Voice]] = {}
+        for name, voices in arriving.items():
+            for voice in voices:
+                after = self.nodes[name].voice_after(voice)
+                if after not in states.setdefault(name, []):
+                    states[name].append(after)
+        return states
+
+    def static_renders(self) -> list[tuple[str, Voice]]:
+        """Every sentence without variables with each voice it may be spoken in: rendered
+        once, served from the cache."""
+        found: dict[tuple[str, Voice], None] = {}
+        states = self.voice_states()
+        for name, item in self.say_items():
+            for call_voice in states.get(name, []):
+                voice = self.spoken_voice(item, call_voice)
+                text = self.sentence(item, voice.language)
+                if not template_variables(text):
+                    found.setdefault((text, voice), None)
+        return list(found)
+
     def static_sentences(self) -> list[str]:
-        """Every sentence without variables: rendered once, served from the cache."""
+        """Every sentence without variables (in any of the script's languages)."""
+        return list(dict.fromkeys(text for text, _ in self.static_renders()))
+
+    def languages_spoken(self) -> list[str]:
+        """Every language some sentence of the script may be spoken in."""
         found: dict[str, None] = {}
-        for _, item in self.say_items():
-            text = self.sentence(item)
-            if not template_variables(text):
-                found.setdefault(text, None)
+        states = self.voice_states()
+        for name, item in self.say_items():
+            for voice in states.get(name, []):
+                found.setdefault(self.spoken_voice(item, voice).language, None)
         return list(found)
 
     def say_items(self) -> Iterator[tuple[str, SayItem]]:
@@ -813,6 +963,8 @@ def _check_logic(
             settable.add(node.gather.store)
         if node.webhook is not None:
             settable.update(node.webhook.sets)
+        settable.update(node.assign or {})
+    _check_languages(script, tree, report, voice_exists, speakers, languages, settable)
     for name, node in nodes.items():
         for i, case in enumerate(node.branch or []):
             if case.when is None:
@@ -838,6 +990,14 @@ def _check_logic(
                                "write a sentence, or define the prompt")
         else:
             _check_sentence(script.sentence(item), pos(*path), settable, report)
+        if isinstance(item, Sentence) and item.language is not None:
+            _check_language(item.language, _position(tree, (*path, "language")), languages,
+                            report)
+    for language, texts in script.translations.items():
+        for prompt_name, text in texts.items():
+            if prompt_name in script.prompts:
+                _check_sentence(text, pos("translations", language, prompt_name), settable,
+                                report)
     for prompt_name in script.prompts:
         if prompt_name not in used_prompts:
             report(_key_position(tree, ("prompts", prompt_name)),
@@ -848,6 +1008,128 @@ def _check_logic(
                 if variable not in settable:
                     report(pos("nodes", name, "webhook", "send"),
                            f"node '{name}' sends variable '{variable}', which nothing sets")
+
+
+def _check_language(language: str, where: tuple[int, int], languages: set[str],
+                    report: Callable[[tuple[int, int], str], None]) -> bool:
+    if language.lower() in {known.lower() for known in languages}:
+        return True
+    report(where, f"language '{language}' is not supported (one of: "
+                  f"{', '.join(sorted(languages))})")
+    return False
+
+
+def _check_languages(
+    script: Script,
+    tree: _Map,
+    report: Callable[[tuple[int, int], str], None],
+    voice_exists: Callable[[str], bool] | None,
+    speakers: set[str],
+    languages: set[str],
+    settable: set[str],
+) -> None:
+    """Languages and voices: what ``set``/``voice`` change, and what each sentence is spoken in
+    (a prompt needs a translation for every language a node may say it in)."""
+
+    def pos(*path: str | int) -> tuple[int, int]:
+        return _position(tree, path)
+
+    for name, node in script.nodes.items():
+        base = ("nodes", name)
+        for variable, value in (node.assign or {}).items():
+            where = pos(*base, "set", variable)
+            if not _NAME.match(variable):
+                report(_key_position(tree, (*base, "set", variable)),
+                       f"'{variable}' is not a variable name (letters, digits, underscore)")
+            elif variable in CALL_VARIABLES:
+                report(_key_position(tree, (*base, "set", variable)),
+                       f"node '{name}' sets '{variable}', which comes from the call and "
+                       "cannot be set")
+            elif variable == "language":
+                _check_language(value, where, languages, report)
+            else:
+                try:
+                    used = template_variables(value)
+                except ValueError as exc:
+                    report(where, str(exc))
+                    continue
+                for missing in [v for v in used if v not in settable]:
+                    report(where, f"variable '{{{missing}}}' is used but nothing sets it "
+                                  f"({_SETTERS})")
+        change = node.voice
+        if change is not None:
+            if change.speaker is not None and change.speaker.lower() not in speakers:
+                report(pos(*base, "voice", "speaker"),
+                       f"speaker '{change.speaker}' is not a built-in voice "
+                       f"(one of: {', '.join(sorted(speakers))})")
+            if (change.clone is not None and voice_exists is not None
+                    and not voice_exists(change.clone)):
+                report(pos(*base, "voice", "clone"),
+                       f"cloned voice '{change.clone}' is not registered: add it with "
+                       f"`gateway voices add {change.clone} REF.wav --text ...`")
+            if change.language is not None:
+                _check_language(change.language, pos(*base, "voice", "language"), languages,
+                                report)
+        if node.webhook is not None:
+            for variable in node.webhook.sets:
+                if variable in BUILTIN_VARIABLES:
+                    report(pos(*base, "webhook", "sets"),
+                           f"node '{name}' lets its webhook set '{variable}', which "
+                           + ("changes only with 'set: {language: ...}'" if variable ==
+                              "language" else "comes from the call"))
+
+    supported = {language.lower() for language in languages}
+    spoken: set[str] = set()
+    #: (language, prompt) pairs some node says.
+    said: set[tuple[str, str]] = set()
+    for language, texts in script.translations.items():
+        where = _key_position(tree, ("translations", language))
+        if not _check_language(language, where, languages, report):
+            continue
+        if language.lower() == script.voice.language.lower():
+            report(where, f"translations into {language}, the script's own language: its "
+                          "texts are the prompts themselves")
+        for prompt_name in texts:
+            if prompt_name not in script.prompts:
+                report(_key_position(tree, ("translations", language, prompt_name)),
+                       f"'{prompt_name}' translates no prompt (prompts: "
+                       f"{', '.join(sorted(script.prompts)) or 'none'})")
+
+    states = script.voice_states()
+    for path, item in _say_item_paths(script):
+        name = str(path[1])
+        voices = [script.spoken_voice(item, v) for v in states.get(name, [])]
+        # Unsupported languages are reported where they are set.
+        node_languages = list(dict.fromkeys(v.language for v in voices
+                                            if v.language.lower() in supported))
+        spoken.update(lang.lower() for lang in node_languages)
+        if script.is_prompt_ref(item):
+            assert isinstance(item, str)
+            for language in node_languages:
+                said.add((language.lower(), item))
+                if language.lower() == script.voice.language.lower():
+                    continue
+                if item not in script.translation(language):
+                    report(pos(*path), f"node '{name}' says prompt '{item}' in {language}, "
+                                       f"but translations.{language} has no '{item}'")
+        elif len(node_languages) > 1 and not (isinstance(item, Sentence) and item.language):
+            report(pos(*path), f"node '{name}' may speak {' or '.join(node_languages)}, but "
+                               "this sentence has one text: make it a prompt with "
+                               "translations, or give it a language")
+    for language, texts in script.translations.items():
+        if language.lower() not in supported or \
+                language.lower() == script.voice.language.lower():
+            continue
+        if language.lower() not in spoken:
+            report(_key_position(tree, ("translations", language)),
+                   f"translations into {language} are never used: no node speaks {language} "
+                   "(change the call's language with 'set: {language: ...}')")
+            continue
+        for prompt_name in texts:
+            if prompt_name in script.prompts and (language.lower(), prompt_name) not in said:
+                report(_key_position(tree, ("translations", language, prompt_name)),
+                       f"the {language} '{prompt_name}' is never said: no node says "
+                       f"'{prompt_name}' while the call speaks {language}")
 
 
 def _check_hours(name: str, hours: Hours, tree: _Map, base: tuple[str, ...],
@@ -868,7 +1150,7 @@ def _check_hours(name: str, hours: Hours, tree: _Map, base: tuple[str, ...],
 
 
 #: How a variable gets a value, for messages about one that nothing sets.
-_SETTERS = "a gather's 'store', a webhook's 'sets', or 'variables'"
+_SETTERS = "a gather's 'store', a webhook's 'sets', a node's 'set', or 'variables'"
 
 
 def _say_item_paths(script: Script) -> Iterator[tuple[tuple[str | int, ...], SayItem]]:
