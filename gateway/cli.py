@@ -25,7 +25,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
-prompts_app = typer.Typer(no_args_is_help=True, help="IVR scripts: validate, pre-render.")
+prompts_app = typer.Typer(no_args_is_help=True,
+                          help="IVR scripts: validate, pre-render, draw, test.")
 app.add_typer(prompts_app, name="prompts")
 app.add_typer(loadsim_app, name="loadsim")
 app.add_typer(model_app, name="model")
@@ -303,6 +304,25 @@ def prompts_validate(
                    f"{len(script.static_sentences())} cached sentences)")
     if failed:
         raise GatewayError(f"{failed} of {len(files)} script(s) have errors")
+
+
+@prompts_app.command("graph")
+def prompts_graph(
+    file: Annotated[Path, typer.Argument(help="IVR script (YAML).")],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="flow.svg, flow.png, flow.pdf or flow.dot.")
+    ],
+) -> None:
+    """Draw the call flow (nodes, what each says, keys and conditions on the edges)."""
+    from gateway.ivr.graph import render
+    from gateway.ivr.script import ScriptError, load_script
+
+    try:
+        script = load_script(file)
+    except ScriptError as exc:
+        raise GatewayError(f"invalid script:\n{exc}") from None
+    render(script, output)
+    typer.echo(f"wrote {output}: {len(script.nodes)} nodes")
 
 
 @prompts_app.command("render")
