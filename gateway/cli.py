@@ -325,6 +325,33 @@ def prompts_graph(
     typer.echo(f"wrote {output}: {len(script.nodes)} nodes")
 
 
+@prompts_app.command("test")
+def prompts_test(
+    file: Annotated[Path, typer.Argument(help="IVR script (YAML).")],
+    cases: Annotated[Path, typer.Argument(help="Case file (YAML): callers and what they hear.")],
+) -> None:
+    """Run scripted callers through the IVR (no model): check path, sentences and outcome."""
+    import asyncio
+
+    from gateway.ivr.cases import load_cases, report, run_cases
+    from gateway.ivr.script import ScriptError, load_script
+
+    # The runner logs failed webhooks as warnings; here they are what a case is about.
+    _setup_logging("error")
+    try:
+        script = load_script(file)
+        case_file = load_cases(cases, script)
+    except ScriptError as exc:
+        for diagnostic in exc.diagnostics:
+            typer.echo(f"{diagnostic}", err=True)
+        raise GatewayError(f"cannot run {cases}: fix the errors above") from None
+    results = asyncio.run(run_cases(script, case_file))
+    failed = report(results, str(cases), typer.echo)
+    typer.echo(f"{len(results) - failed} passed, {failed} failed")
+    if failed:
+        raise GatewayError(f"{failed} of {len(results)} case(s) failed")
+
+
 @prompts_app.command("render")
 def prompts_render(
     files: Annotated[list[Path], typer.Argument(help="IVR scripts (YAML).")],

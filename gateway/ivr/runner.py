@@ -55,6 +55,7 @@ from gateway.ivr.script import (
     template_variables,
 )
 from gateway.ivr.script import Voice as ScriptVoice
+from gateway.ivr.trace import CallTrace, Heard, KeyPress, Visit, WebhookCall
 from gateway.speech import Speaker
 from gateway.speech import Voice as SpeechVoice
 
@@ -74,6 +75,11 @@ class _CallEnded(Exception):
 
 class _Failed(Exception):
     """A step failed (speech, webhook): go to the error node."""
+
+    def __init__(self, message: str, result: str = "failed") -> None:
+        super().__init__(message)
+        #: In a word, for the call's trace ("http 500", "too large").
+        self.result = result
 
 
 @dataclass
@@ -140,11 +146,15 @@ class IvrDialogs:
 class IvrRunner:
     """Runs one call through the script."""
 
-    def __init__(self, call: Call, context: RunnerContext, variables: dict[str, str]) -> None:
+    def __init__(self, call: Call, context: RunnerContext, variables: dict[str, str],
+                 trace: CallTrace | None = None) -> None:
         self.call = call
         self.ctx = context
         self.script = context.script
         self.clock = context.clock
+        #: What the call went through (logged at hang-up; the script tester reads it).
+        self.trace = trace if trace is not None else CallTrace(
+            call.call_id, self.script.name, call.answered_at)
         self.variables: dict[str, str] = {**self.script.variables, **variables}
         #: Who speaks now (a node's ``voice`` or ``set: {language}`` changes it).
         self.voice: ScriptVoice = self.script.voice
@@ -168,12 +178,28 @@ class IvrRunner:
                 await self.call.end(HangUp())
         except _CallEnded:
             log.info("call %s: caller left during %s", self.call.call_id, self.path[-1:])
+        finally:
+            self._finish_trace()
+
+    def _finish_trace(self) -> None:
+        trace = self.trace
+        trace.ended_at = self.clock.now()
+        outcome = self.call.outcome
+        if isinstance(outcome, TransferTo):
+            trace.outcome, trace.target = "transfer", outcome.target
+        elif isinstance(outcome, HangUp):
+            trace.outcome = "hangup"
+        elif self.call.ended:
+            trace.outcome = "caller hung up"
+        else:
+            trace.outcome = "error"
 
     # --- nodes --------------------------------------------------------------------------------
 
     async def _step(self, name: str) -> str | None:
         node = self.script.nodes[name]
         self.path.append(name)
+        self.trace.visits.append(Visit(name, self.clock.now()))
         self._arrive(node)
         try:
             if node.say:
@@ -189,8 +215,7 @@ class IvrRunner:
                 return self._branch(name, node.branch)
             if node.hours is not None:
                 is_open = node.hours.schedule.is_open_at(self.clock.wall())
-                log.info("call %s: node %s: %s", self.call.call_id, name,
-                         "open" if is_open else "closed")
+                self.trace.choices.append((name, "open" if is_open else "closed"))
                 return node.hours.open if is_open else node.hours.closed
             if node.transfer is not None:
                 await self.call.end(TransferTo(node.transfer))
@@ -236,8 +261,7 @@ class IvrRunner:
             if condition is not None and condition.evaluate(self.variables):
                 chosen = i
                 break
-        log.info("call %s: node %s took case %d (%s)", self.call.call_id, name, chosen + 1,
-                 cases[chosen].when or "else")
+        self.trace.choices.append((name, f"case {chosen + 1}: {cases[chosen].when or 'else'}"))
         return cases[chosen].target
 
     # --- speaking -----------------------------------------------------------------------------
@@ -251,7 +275,12 @@ class IvrRunner:
             if not text.strip():
                 continue
             utterance = self._start_utterance(item, template, text, voice)
+            heard = Heard(self.path[-1] if self.path else "", text, voice.language,
+                          voice.clone or voice.speaker or "", self.clock.now(),
+                          cached=utterance.cached)
+            self.trace.heard.append(heard)
             if not await self._wait_played(utterance, barge_in=barge_in):
+                heard.interrupted = True
                 return False
             self._after_utterance(text, voice, utterance)
         return True
@@ -303,6 +332,7 @@ class IvrRunner:
                 await self.call.barge_in()
                 self._turn_at = event.at
                 if isinstance(event, Dtmf):
+                    self._key(event.digit)
                     self.typeahead.append(event.digit)
                 return False
             if isinstance(event, SpeechFailed) and event.utterance_id == utterance.id:
@@ -339,6 +369,8 @@ class IvrRunner:
         deadline = None if timeout is None else self.clock.now() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - self.clock.now())
+            if self.trace.on_waiting is not None and self.call.events.empty():
+                self.trace.on_waiting()
             got = await self._event_within(remaining)
             if isinstance(got, Hangup) or self.call.ended:
                 raise _CallEnded()
@@ -353,6 +385,10 @@ class IvrRunner:
             return await self.clock.wait_for(self.call.events.get(), timeout)
         except TimeoutError:
             return None
+
+    def _key(self, digit: str) -> None:
+        self.trace.keys.append(KeyPress(self.path[-1] if self.path else "", digit,
+                                        self.clock.now()))
 
     # --- gathering ----------------------------------------------------------------------------
 
@@ -392,6 +428,7 @@ class IvrRunner:
                 return "".join(entered)
             if isinstance(event, Dtmf):
                 self._turn_at = event.at
+                self._key(event.digit)
                 self.typeahead.append(event.digit)
                 timeout = gather.inter_digit_timeout
 
@@ -407,6 +444,9 @@ class IvrRunner:
         client = self.ctx.http
         own = client is None
         client = client or httpx.AsyncClient()
+        started = self.clock.now()
+        call = WebhookCall(name, hook.url, "ok", 0.0)
+        self.trace.webhooks.append(call)
         try:
             # httpx's timeout bounds each read, not the whole exchange: a backend trickling a
             # byte a second would hold the call forever. The deadline covers everything, and
@@ -415,22 +455,31 @@ class IvrRunner:
                 content = await _post_json(client, hook, body)
             data = json.loads(content)
         except (TimeoutError, httpx.TimeoutException):
+            call.result = "timeout"
             raise _Failed(f"webhook {hook.url} timed out after {hook.timeout:g} s") from None
+        except _Failed as exc:
+            call.result = exc.result
+            raise
         except httpx.HTTPError as exc:
+            call.result = f"failed: {type(exc).__name__}"
             raise _Failed(f"webhook {hook.url} failed: {exc}") from None
         except (ValueError, RecursionError):
             # RecursionError: a few thousand nested brackets fit in MAX_WEBHOOK_BYTES.
+            call.result = "not json"
             raise _Failed(f"webhook {hook.url} did not answer JSON") from None
         finally:
+            call.ms = round(1000 * (self.clock.now() - started), 1)
             if own:
                 await client.aclose()
         if not isinstance(data, dict):
+            call.result = "not a json object"
             raise _Failed(f"webhook {hook.url} answered JSON that is not an object")
         merged = _merge_variables(data)
         # The call's own variables are facts of the call, not the backend's to change.
         for name in BUILTIN_VARIABLES:
             merged.pop(name, None)
         self.variables.update(merged)
+        call.set = sorted(merged)
         # The turn that follows a webhook is measured from its answer.
         self._turn_at = self.clock.now()
         log.info("call %s: webhook %s set %s", self.call.call_id, name, sorted(merged))
@@ -440,16 +489,19 @@ async def _post_json(client: httpx.AsyncClient, hook: Webhook, body: dict[str, A
     """POST ``body``; the answer's bytes, refused (:class:`_Failed`) past MAX_WEBHOOK_BYTES."""
     async with client.stream("POST", hook.url, json=body, timeout=hook.timeout) as response:
         if response.status_code >= 400:
-            raise _Failed(f"webhook {hook.url} answered {response.status_code}")
+            raise _Failed(f"webhook {hook.url} answered {response.status_code}",
+                          f"http {response.status_code}")
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and (len(declared) > 18 or int(declared) > MAX_WEBHOOK_BYTES):
-            raise _Failed(f"webhook {hook.url} answered more than {MAX_WEBHOOK_BYTES} bytes")
+            raise _Failed(f"webhook {hook.url} answered more than {MAX_WEBHOOK_BYTES} bytes",
+                          "too large")
         chunks: list[bytes] = []
         size = 0
         async for chunk in response.aiter_bytes():
             size += len(chunk)
             if size > MAX_WEBHOOK_BYTES:
-                raise _Failed(f"webhook {hook.url} answered more than {MAX_WEBHOOK_BYTES} bytes")
+                raise _Failed(f"webhook {hook.url} answered more than {MAX_WEBHOOK_BYTES} bytes",
+                              "too large")
             chunks.append(chunk)
     return b"".join(chunks)
 
