@@ -684,3 +684,89 @@ async def test_a_node_changes_the_calls_language_or_voice_and_the_cache_keys_fol
     if key == "2":
         assert h.runner.variables["chosen"] == "Spanish then"
         assert h.context.key("Adiós.", voice).language == "Spanish"
+
+
+# --- the per-call trace -----------------------------------------------------------------------
+
+
+def _trace_records(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [r.data["trace"] for r in caplog.records if r.getMessage() == "ivr trace"]  # type: ignore[attr-defined]
+
+
+async def test_each_call_logs_one_trace_record_at_hang_up(
+    demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO", logger="gateway.ivr.runner")
+    h = Harness(demo, speech, engine, backend=balance_backend, cache=demo_cache)
+    await h.start()
+    await h.waiting_for_input()
+    await h.clock.advance(2)  # the caller takes 2 s to answer the menu
+    await h.press("1")
+    await h.waiting_for_input()
+    await h.press("123456#")
+    await h.waiting_for_input()
+    await h.press("3")
+    await h.finished()
+    (trace,) = _trace_records(caplog)
+    json.dumps(trace)  # plain data, as the JSON log line carries it
+    assert trace["call_id"] == h.call.call_id and trace["script"] == demo.name
+    assert trace["path"] == ["welcome", "menu", "account", "lookup", "route", "balance",
+                             "anything_else", "goodbye"]
+    assert [k["key"] for k in trace["keys"]] == list("1123456#3")
+    assert [k["node"] for k in trace["keys"]][:2] == ["menu", "account"]
+    assert trace["keys"][0]["at"] == pytest.approx(2.0)
+    (hook,) = trace["webhooks"]
+    assert hook["node"] == "lookup" and hook["result"] == "ok"
+    assert hook["set"] == ["balance", "due_date", "first_name"] and hook["ms"] >= 0
+    assert {"node": "route", "chose": "case 2: else"} in trace["choices"]
+    heard = trace["heard"]
+    assert heard[0] == {"node": "welcome", "text": "Thank you for calling Acme Energy.",
+                        "language": "English", "voice": "ryan", "at": 0.0, "cached": True,
+                        "interrupted": False}
+    assert heard[1]["language"] == "Spanish"
+    live = next(h for h in heard if h["node"] == "balance")
+    assert live["text"].startswith("Thanks, Dana.") and not live["cached"]
+    times = [v["at"] for v in trace["visits"]]
+    assert times == sorted(times) and times[2] >= 2.0
+    assert trace["outcome"] == "hangup" and trace["target"] is None
+    assert trace["duration_s"] >= 2.0
+
+
+async def test_a_trace_records_failed_webhooks_transfers_and_private_keys(
+    speech: SpeechService, engine: Engine, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO", logger="gateway.ivr.runner")
+    script = parse_script(
+        "name: t\nvoice: {speaker: ryan}\nstart: pin\nnodes:\n"
+        "  pin:\n    gather: {digits: 4, private: true, store: pin, branch: {default: check},"
+        " fallback: agent}\n"
+        "  check:\n    webhook: {url: 'http://backend.test/pin', on_error: agent}\n"
+        "    next: agent\n"
+        "  agent: {transfer: '+15555550100'}\n"
+    )
+    h = Harness(script, speech, engine, backend=lambda r: httpx.Response(503, text="down"))
+    await h.start(prerender=False)
+    await h.waiting_for_input()
+    await h.press("4321")
+    await h.finished()
+    (trace,) = _trace_records(caplog)
+    assert [k["key"] for k in trace["keys"]] == ["*"] * 4
+    assert "4321" not in json.dumps(trace)
+    assert [(w["node"], w["result"]) for w in trace["webhooks"]] == [("check", "http 503")]
+    assert trace["outcome"] == "transfer" and trace["target"] == "+15555550100"
+    assert trace["path"] == ["pin", "check", "agent"]
+
+
+async def test_a_caller_hanging_up_is_in_the_trace(
+    demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO", logger="gateway.ivr.runner")
+    h = Harness(demo, speech, engine, cache=demo_cache)
+    await h.start()
+    await h.waiting_for_input()
+    h.call.deliver(Hangup(at=h.clock.now()))
+    await h.finished()
+    (trace,) = _trace_records(caplog)
+    assert trace["outcome"] == "caller hung up" and trace["path"] == ["welcome", "menu"]

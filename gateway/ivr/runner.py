@@ -193,6 +193,9 @@ class IvrRunner:
             trace.outcome = "caller hung up"
         else:
             trace.outcome = "error"
+        # One record per call: what the caller went through, for the author (gateway.logs puts
+        # its fields in the JSON line).
+        log.info("ivr trace", extra={"data": {"trace": trace.to_record()}})
 
     # --- nodes --------------------------------------------------------------------------------
 
@@ -328,11 +331,12 @@ class IvrRunner:
                                            utterance=utterance)
             if event is None:
                 continue
+            if isinstance(event, Dtmf):
+                self._key(event.digit)  # in the trace even when it cannot interrupt
             if isinstance(event, Dtmf | SpeechStarted) and barge_in:
                 await self.call.barge_in()
                 self._turn_at = event.at
                 if isinstance(event, Dtmf):
-                    self._key(event.digit)
                     self.typeahead.append(event.digit)
                 return False
             if isinstance(event, SpeechFailed) and event.utterance_id == utterance.id:
@@ -387,8 +391,10 @@ class IvrRunner:
             return None
 
     def _key(self, digit: str) -> None:
-        self.trace.keys.append(KeyPress(self.path[-1] if self.path else "", digit,
-                                        self.clock.now()))
+        node = self.path[-1] if self.path else ""
+        gather = self.script.nodes[node].gather if node in self.script.nodes else None
+        shown = "*" if gather is not None and gather.private else digit
+        self.trace.keys.append(KeyPress(node, shown, self.clock.now()))
 
     # --- gathering ----------------------------------------------------------------------------
 

@@ -323,6 +323,8 @@ class Gather(BaseModel):
     retries: int = Field(2, ge=0, le=10)
     retry_prompt: SayList = Field(default_factory=list)
     store: str = "digits"
+    #: Keep the keys out of the call's trace (card numbers, PINs): logged as '*'.
+    private: bool = False
     branch: dict[str, str] = Field(default_factory=dict)
     fallback: str | None = None
 
