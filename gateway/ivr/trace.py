@@ -83,14 +83,16 @@ class CallTrace:
 
     def to_record(self) -> dict[str, Any]:
         """The trace as plain JSON-able data (the structured log record)."""
-        record = asdict(self)
-        record.pop("on_waiting", None)
-        record.pop("started_at", None)
-        record["path"] = self.path
+        # Field by field: asdict() of the whole trace would deep-copy on_waiting's target (an
+        # asyncio.Event, its loop with it).
+        record: dict[str, Any] = {"call_id": self.call_id, "script": self.script,
+                                  "path": self.path}
+        for part in ("visits", "heard", "keys", "webhooks"):
+            record[part] = [asdict(entry) for entry in getattr(self, part)]
+        record["outcome"], record["target"] = self.outcome, self.target
         record["choices"] = [{"node": n, "chose": c} for n, c in self.choices]
         record["duration_s"] = (round(self.ended_at - self.started_at, 3)
                                 if self.ended_at is not None else None)
-        record.pop("ended_at", None)
         for part in ("visits", "heard", "keys"):
             for entry in record[part]:
                 entry["at"] = round(entry["at"] - self.started_at, 3)
