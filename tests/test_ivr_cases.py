@@ -177,3 +177,18 @@ async def test_a_webhook_the_case_does_not_answer_fails_and_a_flow_that_never_en
     result = await run_case(loop, cases.cases[0])
     assert len(result.failures) == 1
     assert result.failures[0].startswith("the call never ended (still waiting in 'a' after")
+
+
+async def test_play_nodes_play_silence_in_a_case(tmp_path: Path) -> None:
+    import numpy as np
+    import soundfile as sf
+
+    sf.write(str(tmp_path / "chime.wav"), np.zeros(800, np.float32), 8000)
+    (tmp_path / "t.yaml").write_text("name: t\nvoice: {speaker: ryan}\nstart: a\nnodes:\n"
+                                     "  a: {play: chime.wav, next: b}\n"
+                                     "  b: {say: 'Bye.', hangup: true}\n")
+    script = load_script(tmp_path / "t.yaml")
+    cases = load_cases(_cases(tmp_path, "cases:\n  - name: n\n    path: [a, b]\n"
+                                        "    says: [Bye.]\n    outcome: hangup\n"), script)
+    result = await run_case(script, cases.cases[0])
+    assert result.passed, result.failures

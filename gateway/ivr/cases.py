@@ -18,7 +18,8 @@ for business hours, the time of day the case gives::
           - wait: 10s                   # silence (timeouts fire)
           - hangup                      # the caller hangs up
         path: [welcome, menu, account, lookup, route, collections]
-        says: [welcome, ...]            # prompt names (in the language spoken) or sentences
+        says: [welcome, ...]            # sentences, or prompt names (in the language spoken,
+                                        # filled in with the call's variables at its end)
         outcome: {transfer: "+15555550101"}   # or hangup, or caller hangup
 
 Once the steps run out the caller stays silent until the call ends. ``path``, ``says`` and
@@ -65,6 +66,7 @@ from gateway.ivr.script import (
     _Map,
     _position,
     _schema_message,
+    render,
 )
 from gateway.ivr.script import Script as IvrScript
 from gateway.ivr.trace import CallTrace
@@ -309,6 +311,8 @@ class CaseResult:
     position: tuple[int, int]
     trace: CallTrace
     failures: list[str] = field(default_factory=list)
+    #: The call's variables when it ended (a prompt name in ``says`` is filled in with them).
+    variables: dict[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -350,6 +354,7 @@ async def run_case(script: IvrScript, case: Case, position: tuple[int, int] = (1
     context = RunnerContext(
         script=script, cache=PromptCache(None), model_fingerprint=fingerprint,
         voice_identity=_identity(script), speaker=_SilentSpeaker(), clock=clock, http=http,
+        sounds={node.play: _SILENCE for node in script.nodes.values() if node.play is not None},
     )
     waiting = asyncio.Event()
     trace = CallTrace(call.call_id, script.name, call.answered_at, on_waiting=waiting.set)
@@ -400,6 +405,7 @@ async def run_case(script: IvrScript, case: Case, position: tuple[int, int] = (1
         await call.close()
         await http.aclose()
     result.failures[:0] = backend.problems
+    result.variables = dict(runner.variables)
     _compare(script, case, result)
     return result
 
@@ -432,9 +438,10 @@ def _compare(script: IvrScript, case: Case, result: CaseResult) -> None:
         for i in range(max(len(case.says), len(heard))):
             expected = case.says[i] if i < len(case.says) else None
             got = heard[i] if i < len(heard) else None
-            wanted = (None if expected is None else
-                      script.sentence(expected, got.language if got else None)
-                      if expected in script.prompts else expected)
+            wanted = expected
+            if expected is not None and expected in script.prompts:
+                wanted = render(script.sentence(expected, got.language if got else None),
+                                result.variables)
             if got is not None and wanted == got.text:
                 continue
             if got is None:
