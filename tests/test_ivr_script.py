@@ -186,3 +186,26 @@ def test_conditions_may_test_what_the_call_a_gather_or_a_webhook_sets() -> None:
         "  e: {hangup: true}\n"
     ), "t.yaml")
     assert script.successors("r") == ["e", "e", "e"]
+
+
+def test_the_gateway_refuses_a_script_in_a_language_its_model_does_not_speak(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Scripts validate against the published languages; the loaded model's own list is
+    checked before the gateway takes calls."""
+    from conftest import serve
+
+    from gateway.app import default_engine_factory
+
+    def english_only(settings):  # type: ignore[no-untyped-def]
+        engines = default_engine_factory(settings)
+        for engine in engines:
+            engine.shared.languages = ("English",)
+        return engines
+
+    settings = {"model": str(tiny_model_dir), "script": str(ROOT / "prompts" / "demo.yaml"),
+                "cache_dir": str(tmp_path / "cache"), "render_lazily": True}
+    with pytest.raises(RuntimeError) as info, serve(settings, english_only):
+        pass
+    assert "preparing the IVR script failed: the script speaks Spanish, which" in str(info.value)
+    assert "does not (it speaks English)" in str(info.value)
