@@ -46,7 +46,13 @@ from gateway.demo import GreeterDialogs
 from gateway.errors import GatewayError
 from gateway.http_limits import RequestLimits
 from gateway.ivr.cache import PromptCache
-from gateway.ivr.prompts import ResolvedVoice, audio_identity, render_missing, resolve_voice
+from gateway.ivr.prompts import (
+    ResolvedVoice,
+    audio_identity,
+    render_missing,
+    resolve_clones,
+    resolve_voice,
+)
 from gateway.ivr.runner import IvrDialogs, RunnerContext, load_sound
 from gateway.ivr.script import Script, load_script
 from gateway.ivr.voices import VoiceRegistry
@@ -386,6 +392,13 @@ async def _prepare_ivr(gateway: Gateway, engine: Engine, speaker: Speaker) -> No
     script, cache, settings = gateway.script, gateway.cache, gateway.settings
     assert script is not None and cache is not None and gateway.speech is not None
     assert gateway.voice is not None
+    # The script was validated against the published languages; this model may speak fewer.
+    unsupported = [lang for lang in script.languages_spoken()
+                   if lang.lower() not in {known.lower() for known in (*engine.languages, "Auto")}]
+    if unsupported:
+        raise GatewayError(f"the script speaks {', '.join(unsupported)}, which {engine.name} "
+                           f"does not (it speaks {', '.join(engine.languages)})")
+    clones = resolve_clones(script, settings.voices_dir)
     gateway.ivr = RunnerContext(
         script=script,
         cache=cache,
@@ -395,12 +408,13 @@ async def _prepare_ivr(gateway: Gateway, engine: Engine, speaker: Speaker) -> No
         audio=audio_identity(engine, conditioning(settings)),
         clock=gateway.clock,
         sounds={name: load_sound(script_dir(script) / name) for name in script_sounds(script)},
+        clones=clones,
     )
     if settings.render_lazily:
         return
     t0 = gateway.clock.now()
     hits, rendered = await render_missing(script, cache, gateway.speech, engine.fingerprint,
-                                          gateway.voice, conditioning(settings))
+                                          gateway.voice, conditioning(settings), clones)
     log.info("prompts ready: %d cached, %d rendered in %.1f s", hits, rendered,
              gateway.clock.now() - t0)
 

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -26,7 +26,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
-prompts_app = typer.Typer(no_args_is_help=True, help="IVR scripts: validate, pre-render.")
+prompts_app = typer.Typer(no_args_is_help=True,
+                          help="IVR scripts: validate, pre-render, draw, test.")
 app.add_typer(prompts_app, name="prompts")
 app.add_typer(loadsim_app, name="loadsim")
 app.add_typer(model_app, name="model")
@@ -378,6 +379,52 @@ def prompts_validate(
         raise GatewayError(f"{failed} of {len(files)} script(s) have errors")
 
 
+@prompts_app.command("graph")
+def prompts_graph(
+    file: Annotated[Path, typer.Argument(help="IVR script (YAML).")],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="flow.svg, flow.png, flow.pdf or flow.dot.")
+    ],
+) -> None:
+    """Draw the call flow (nodes, what each says, keys and conditions on the edges)."""
+    from gateway.ivr.graph import render
+    from gateway.ivr.script import ScriptError, load_script
+
+    try:
+        script = load_script(file)
+    except ScriptError as exc:
+        raise GatewayError(f"invalid script:\n{exc}") from None
+    render(script, output)
+    typer.echo(f"wrote {output}: {len(script.nodes)} nodes")
+
+
+@prompts_app.command("test")
+def prompts_test(
+    file: Annotated[Path, typer.Argument(help="IVR script (YAML).")],
+    cases: Annotated[Path, typer.Argument(help="Case file (YAML): callers and what they hear.")],
+) -> None:
+    """Run scripted callers through the IVR (no model): check path, sentences and outcome."""
+    import asyncio
+
+    from gateway.ivr.cases import load_cases, report, run_cases
+    from gateway.ivr.script import ScriptError, load_script
+
+    # The runner logs failed webhooks as warnings; here they are what a case is about.
+    _setup_logging("error")
+    try:
+        script = load_script(file)
+        case_file = load_cases(cases, script)
+    except ScriptError as exc:
+        for diagnostic in exc.diagnostics:
+            typer.echo(f"{diagnostic}", err=True)
+        raise GatewayError(f"cannot run {cases}: fix the errors above") from None
+    results = asyncio.run(run_cases(script, case_file))
+    failed = report(results, str(cases), typer.echo)
+    typer.echo(f"{len(results) - failed} passed, {failed} failed")
+    if failed:
+        raise GatewayError(f"{failed} of {len(results)} case(s) failed")
+
+
 @prompts_app.command("render")
 def prompts_render(
     files: Annotated[list[Path], typer.Argument(help="IVR scripts (YAML).")],
@@ -390,15 +437,18 @@ def prompts_render(
     """Pre-render every static prompt into the cache (resumable: present ones are skipped)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from gateway.ivr.cache import PromptCache
+    from gateway.ivr.cache import PromptCache, PromptKey
     from gateway.ivr.prompts import (
         audio_identity,
         pcm_from_chunks,
-        prompt_key,
+        prompt_key_for,
+        renders,
         request_for,
+        resolve_clones,
         resolve_voice,
     )
     from gateway.ivr.script import ScriptError, load_script
+    from gateway.tts.engine import SpeechRequest
     from gateway.tts.service import SpeechService
 
     settings = _settings(model=model, device=device, cache_dir=cache_dir)
@@ -423,12 +473,13 @@ def prompts_render(
     hits = 0
     for script in scripts:
         voice = resolve_voice(script, settings.voices_dir)
-        for text in script.static_sentences():
-            key = prompt_key(script, fingerprint, voice.identity, text, audio)
+        clones = resolve_clones(script, settings.voices_dir)
+        for text, spec, resolved in renders(script, voice, clones):
+            key = prompt_key_for(spec, fingerprint, resolved.identity, text, audio)
             if cache.on_disk(key):
                 hits += 1
             else:
-                todo.append((script, voice, key, text))
+                todo.append((request_for(spec, text, resolved), key))
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn())
     speech = SpeechService(engines)
@@ -441,11 +492,10 @@ def prompts_render(
             async def render_all() -> None:
                 limit = asyncio.Semaphore(max(1, speech.capacity))
 
-                async def render_one(script: Any, voice: Any, key: Any, text: str) -> None:
+                async def render_one(request: SpeechRequest, key: PromptKey) -> None:
                     async with limit:
                         started = time.perf_counter()
-                        stream = speech.stream(request_for(script, text, voice))
-                        chunks = [chunk async for chunk in stream]
+                        chunks = [chunk async for chunk in speech.stream(request)]
                         # Written as each finishes: an interrupted run resumes from here.
                         cache.put(key, pcm_from_chunks(chunks, phone),
                                   render_s=time.perf_counter() - started)

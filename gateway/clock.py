@@ -7,19 +7,23 @@ admission, drain and the IVR runner (gather timeouts and the webhook deadline). 
 on :class:`SystemClock`; tests drive a virtual clock (``tests/clocks.py``) so a 5 s gather
 timeout, a 30 s reservation or a 110 s drain grace costs no real time.
 
-The protocol is small on purpose: a reading (:meth:`Clock.now`) and the four ways the gateway
+The protocol is small on purpose: two readings (:meth:`Clock.now`, monotonic, and
+:meth:`Clock.wall`, the time of day that business hours need) and the four ways the gateway
 waits. Everything else (deadlines, pacing) is arithmetic on :meth:`Clock.now`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol, TypeVar
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["Cancellable", "Clock", "SystemClock"]
+__all__ = ["Cancellable", "Clock", "SystemClock", "VirtualClock"]
 
 T = TypeVar("T")
 
@@ -35,6 +39,11 @@ class Clock(Protocol):
 
     def now(self) -> float:
         """Seconds on a monotonic scale (only differences mean anything)."""
+        ...
+
+    def wall(self) -> float:
+        """Seconds since the Unix epoch (``time.time()``): the time of day, for business
+        hours. Never used to measure intervals (it jumps when the host's clock is set)."""
         ...
 
     async def sleep(self, seconds: float) -> None:
@@ -69,6 +78,9 @@ class SystemClock:
     def now(self) -> float:
         return time.monotonic()
 
+    def wall(self) -> float:
+        return time.time()
+
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
 
@@ -80,3 +92,160 @@ class SystemClock:
 
     def call_later(self, seconds: float, callback: Callable[[], None]) -> Cancellable:
         return asyncio.get_running_loop().call_later(max(0.0, seconds), callback)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _Timer:
+    __slots__ = ("callback", "cancelled", "deadline", "seq")
+
+    def __init__(self, deadline: float, seq: int, callback: Callable[[], None]) -> None:
+        self.deadline = deadline
+        self.seq = seq
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def __lt__(self, other: _Timer) -> bool:
+        return (self.deadline, self.seq) < (other.deadline, other.seq)
+
+
+class _Timeout:
+    """``async with clock.timeout(s)``: cancels the block at the virtual deadline, then raises
+    :class:`TimeoutError` (the semantics of :func:`asyncio.timeout`)."""
+
+    def __init__(self, clock: VirtualClock, seconds: float | None) -> None:
+        self._clock = clock
+        self._seconds = seconds
+        self._timer: _Timer | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._expired = False
+
+    async def __aenter__(self) -> _Timeout:
+        if self._seconds is not None:
+            self._task = asyncio.current_task()
+            self._timer = self._clock.call_later(self._seconds, self._expire)
+        return self
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._task is not None:
+            self._task.cancel()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._expired and exc_type is asyncio.CancelledError and self._task is not None:
+            if self._task.uncancel() == 0:
+                raise TimeoutError from exc
+        return False
+
+
+class VirtualClock:
+    """A :class:`Clock` whose time moves only in :meth:`advance`: tests, and the script
+    tester (``gateway prompts test``), which runs the real IVR runner through a whole call
+    in no time."""
+
+    def __init__(self, start: float = 0.0, wall_start: float = 1_750_000_000.0) -> None:
+        self._now = start
+        #: Unix time at ``start`` (default: a Sunday afternoon in June 2025, UTC).
+        self._wall_offset = wall_start - start
+        self._timers: list[_Timer] = []
+        self._seq = itertools.count()
+        #: Timed waits (``wait_for`` with a timeout) started so far: a test waits for the code
+        #: under test to reach its next one (:meth:`next_wait`).
+        self.waits = 0
+        self._wait_started = asyncio.Event()
+
+    def now(self) -> float:
+        return self._now
+
+    def wall(self) -> float:
+        return self._wall_offset + self._now
+
+    def set_wall(self, epoch_s: float) -> None:
+        """Say what time of day it is now (monotonic time does not move)."""
+        self._wall_offset = epoch_s - self._now
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> _Timer:
+        timer = _Timer(self._now + max(0.0, seconds), next(self._seq), callback)
+        heapq.heappush(self._timers, timer)
+        return timer
+
+    async def sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        timer = self.call_later(seconds, lambda: _resolve(future))
+        try:
+            await future
+        finally:
+            timer.cancel()
+
+    async def wait_for(self, awaitable: Awaitable[T], seconds: float | None) -> T:
+        if seconds is None:
+            return await awaitable
+        self.waits += 1
+        self._wait_started.set()
+        task = asyncio.ensure_future(awaitable)
+        expired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        timer = self.call_later(seconds, lambda: _resolve(expired))
+        waiters: set[asyncio.Future[Any]] = {task, expired}
+        try:
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            timer.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        raise TimeoutError
+
+    def timeout(self, seconds: float | None) -> AbstractAsyncContextManager[object]:
+        return _Timeout(self, seconds)
+
+    async def next_wait(self, after: int) -> None:
+        """Until a timed wait beyond the first ``after`` is pending (event-driven, no polling)."""
+        while not (self.waits > after and self.waiting):
+            self._wait_started.clear()
+            await self._wait_started.wait()
+
+    def next_deadline(self) -> float | None:
+        """When the earliest pending timer fires (None: nothing waits on time)."""
+        while self._timers and self._timers[0].cancelled:
+            heapq.heappop(self._timers)
+        return self._timers[0].deadline if self._timers else None
+
+    @property
+    def waiting(self) -> bool:
+        """True while something waits on a timer."""
+        return any(not timer.cancelled for timer in self._timers)
+
+    async def advance(self, seconds: float) -> None:
+        """Move time forward, firing every timer that falls due in order, letting the tasks
+        they wake run between them."""
+        target = self._now + seconds
+        while self._timers and self._timers[0].deadline <= target:
+            timer = heapq.heappop(self._timers)
+            if timer.cancelled:
+                continue
+            self._now = max(self._now, timer.deadline)
+            timer.callback()
+            for _ in range(5):
+                await asyncio.sleep(0)
+        self._now = target
+        for _ in range(5):
+            await asyncio.sleep(0)

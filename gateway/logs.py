@@ -1,5 +1,9 @@
 """Logging set-up: readable lines or JSON lines, with the call id on every record of a call.
 
+A record logged with ``extra={"data": {...}}`` is structured: JSON lines carry its fields as
+fields (the IVR's per-call trace at hang-up, ``msg: "ivr trace"``), text lines append them as
+compact JSON.
+
 The call id rides in a :class:`contextvars.ContextVar`. A call's tasks are created inside a
 context where it is set (:func:`call_context`), and asyncio copies the context into every task
 a task creates, so each log record of the call carries it, from any module, without passing
@@ -66,9 +70,24 @@ class JsonFormatter(logging.Formatter):
         call_id = getattr(record, "call_id", "")
         if call_id:
             entry["call_id"] = call_id
+        data = getattr(record, "data", None)
+        if isinstance(data, dict):
+            # A structured record (the IVR's per-call trace): its fields, not a string of them.
+            entry.update({k: v for k, v in data.items() if k not in entry})
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    """Readable lines; a structured record's data follows its message as compact JSON."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        data = getattr(record, "data", None)
+        if isinstance(data, dict):
+            line += " " + json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+        return line
 
 
 class StderrHandler(logging.StreamHandler):
@@ -100,7 +119,7 @@ def setup_logging(level: str, fmt: Literal["text", "json"] = "text") -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)-7s %(name)s%(call_tag)s: %(message)s")
+            TextFormatter("%(asctime)s %(levelname)-7s %(name)s%(call_tag)s: %(message)s")
         )
     root = logging.getLogger()
     for old in list(root.handlers):

@@ -36,6 +36,10 @@ class Speaker:
         self.speech = speech
         self.voice = voice
 
+    def with_voice(self, voice: Voice) -> Speaker:
+        """The same speech service in another voice (a node changed the call's)."""
+        return Speaker(self.speech, voice)
+
     def request(self, text: str, call_id: str, utterance_id: str,
                 voice: Voice | None = None) -> SpeechRequest:
         """The request for ``text`` in ``voice`` (default: this speaker's)."""

@@ -228,14 +228,15 @@ async def test_menu_account_lookup_and_goodbye(
     await h.start()
     await h.waiting_for_input()
     assert h.runner.path == ["welcome", "menu"]
-    assert h.spoken()[:2] == [demo.prompts["welcome"], demo.sentence("main_menu")]
+    assert h.spoken()[:3] == [demo.prompts["welcome"], "Para español, oprima 8.",
+                              demo.sentence("main_menu")]
     # Static prompts came from the cache: no generation for them.
     assert all(u.cached for u in h.call.utterances)
     await h.press("1")
     await h.waiting_for_input()
     await h.press("123456#")
     await h.waiting_for_input()
-    assert h.runner.path[-4:] == ["account", "lookup", "balance", "anything_else"]
+    assert h.runner.path[-5:] == ["account", "lookup", "route", "balance", "anything_else"]
     assert h.requests == [
         {
             "call_id": h.call.call_id,
@@ -554,3 +555,250 @@ async def test_a_stale_mark_does_not_end_a_gather_early(
     assert h.runner.variables["account_number"] == "123456"
     h.call.deliver(Hangup(at=h.clock.now()))
     await h.finished()
+
+
+# --- branches on data -------------------------------------------------------------------------
+
+ROUTED = """name: t
+voice: {speaker: ryan}
+start: lookup
+nodes:
+  lookup:
+    webhook: {url: 'http://backend.test/x', sets: [status, balance], on_error: agent}
+    next: route
+  route:
+    branch:
+      - if: status == "overdue" and balance > 100
+        goto: collections
+      - if: status in ["closed", "suspended"]
+        goto: closed
+      - else: agent
+  collections: {transfer: "+15555550101"}
+  closed: {hangup: true}
+  agent: {transfer: "+15555550100"}
+"""
+
+
+@pytest.mark.parametrize(
+    ("answer", "path", "outcome"),
+    [
+        ({"status": "overdue", "balance": 250}, "collections", TransferTo("+15555550101")),
+        ({"status": "overdue", "balance": "99.99"}, "agent", TransferTo("+15555550100")),
+        ({"status": "overdue", "balance": "unknown"}, "agent", TransferTo("+15555550100")),
+        ({"status": "suspended"}, "closed", HangUp()),
+        ({}, "agent", TransferTo("+15555550100")),
+    ],
+)
+async def test_a_webhook_answer_decides_where_the_call_goes(
+    speech: SpeechService, engine: Engine, answer: dict[str, Any], path: str,
+    outcome: CallOutcome,
+) -> None:
+    script = parse_script(ROUTED)
+    h = Harness(script, speech, engine, backend=lambda request: httpx.Response(200, json=answer))
+    await h.start(prerender=False)
+    await h.finished()
+    assert h.runner.path == ["lookup", "route", path]
+    assert h.transport.outcome == outcome
+
+
+# --- business hours ---------------------------------------------------------------------------
+
+OFFICE_HOURS = """name: t
+voice: {speaker: ryan}
+start: office
+nodes:
+  office:
+    hours:
+      timezone: America/New_York
+      weekly: {mon-fri: "08:00-18:00"}
+      holidays: [2025-07-04]
+      open: agent
+      closed: shut
+  agent: {transfer: "+15555550100"}
+  shut: {hangup: true}
+"""
+
+
+@pytest.mark.parametrize(
+    ("local_time", "path"),
+    [
+        ("2025-07-03T09:00:00-04:00", "agent"),  # Thursday morning
+        ("2025-07-03T18:30:00-04:00", "shut"),  # Thursday evening
+        ("2025-07-04T09:00:00-04:00", "shut"),  # Independence Day
+        ("2025-07-03T13:00:00+00:00", "agent"),  # 09:00 in New York
+    ],
+)
+async def test_an_hours_node_routes_by_the_injected_clock(
+    speech: SpeechService, engine: Engine, local_time: str, path: str
+) -> None:
+    from datetime import datetime
+
+    h = Harness(parse_script(OFFICE_HOURS), speech, engine)
+    h.clock.set_wall(datetime.fromisoformat(local_time).timestamp())
+    await h.start(prerender=False)
+    await h.finished()
+    assert h.runner.path == ["office", path]
+
+
+# --- language and voice changes ---------------------------------------------------------------
+
+BILINGUAL = """name: t
+voice: {speaker: ryan}
+start: menu
+prompts:
+  menu_text: Press 2 for Spanish, 3 for Serena.
+  bye: Goodbye.
+  thanks: Thanks, {caller}.
+translations:
+  Spanish:
+    bye: Adiós.
+    thanks: Gracias, {caller}.
+nodes:
+  menu:
+    gather: {prompt: menu_text, digits: 1, retries: 0, branch: {"2": spanish, "3": serena},
+             fallback: done}
+  spanish:
+    set: {language: spanish, chosen: "{language} then"}
+    next: done
+  serena:
+    voice: {speaker: serena}
+    next: done
+  done:
+    say: [bye, thanks]
+    hangup: true
+"""
+
+
+@pytest.mark.parametrize(
+    ("key", "language", "speaker", "bye"),
+    [("2", "Spanish", "ryan", "Adiós."), ("3", "English", "serena", "Goodbye."),
+     ("1", "English", "ryan", "Goodbye.")],
+)
+async def test_a_node_changes_the_calls_language_or_voice_and_the_cache_keys_follow(
+    speech: SpeechService, engine: Engine, monkeypatch: pytest.MonkeyPatch,
+    key: str, language: str, speaker: str, bye: str,
+) -> None:
+    from gateway.tts.engine import SpeechRequest
+
+    requests: list[SpeechRequest] = []
+    original = Speaker.request
+
+    def recording(self: Speaker, text: str, call_id: str, utterance_id: str,
+                  voice: Voice | None = None) -> SpeechRequest:
+        request = original(self, text, call_id, utterance_id, voice)
+        requests.append(request)
+        return request
+
+    monkeypatch.setattr(Speaker, "request", recording)
+    script = parse_script(BILINGUAL)
+    # Every fixed sentence in every voice and language a node may speak it in.
+    assert {(text, v.language, v.speaker) for text, v in script.static_renders()} == {
+        ("Press 2 for Spanish, 3 for Serena.", "English", "ryan"),
+        ("Goodbye.", "English", "ryan"), ("Adiós.", "Spanish", "ryan"),
+        ("Goodbye.", "English", "serena"),
+    }
+    h = Harness(script, speech, engine)
+    await h.start()
+    await h.waiting_for_input()
+    await h.press(key)
+    await h.finished()
+    voice = h.runner.voice
+    assert (voice.language, voice.speaker) == (language, speaker)
+    assert h.runner.variables["language"] == language
+    said = h.call.utterances[-2:]
+    assert [u.text for u in said] == [bye, ("Gracias" if language == "Spanish" else "Thanks")
+                                      + ", +15550001111."]
+    # The fixed sentence came from the cache under the new voice's key...
+    assert said[0].cached and h.cache.peek(h.context.key(bye, voice)) is not None
+    # ...and the live one was generated in it.
+    live = [r for r in requests if r.text == said[1].text]
+    assert [(r.language, r.speaker) for r in live] == [(language, speaker)]
+    if key == "2":
+        assert h.runner.variables["chosen"] == "Spanish then"
+        assert h.context.key("Adiós.", voice).language == "Spanish"
+
+
+# --- the per-call trace -----------------------------------------------------------------------
+
+
+def _trace_records(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [r.data["trace"] for r in caplog.records if r.getMessage() == "ivr trace"]  # type: ignore[attr-defined]
+
+
+async def test_each_call_logs_one_trace_record_at_hang_up(
+    demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO", logger="gateway.ivr.runner")
+    h = Harness(demo, speech, engine, backend=balance_backend, cache=demo_cache)
+    await h.start()
+    await h.waiting_for_input()
+    await h.clock.advance(2)  # the caller takes 2 s to answer the menu
+    await h.press("1")
+    await h.waiting_for_input()
+    await h.press("123456#")
+    await h.waiting_for_input()
+    await h.press("3")
+    await h.finished()
+    (trace,) = _trace_records(caplog)
+    json.dumps(trace)  # plain data, as the JSON log line carries it
+    assert trace["call_id"] == h.call.call_id and trace["script"] == demo.name
+    assert trace["path"] == ["welcome", "menu", "account", "lookup", "route", "balance",
+                             "anything_else", "goodbye"]
+    assert [k["key"] for k in trace["keys"]] == list("1123456#3")
+    assert [k["node"] for k in trace["keys"]][:2] == ["menu", "account"]
+    assert trace["keys"][0]["at"] == pytest.approx(2.0)
+    (hook,) = trace["webhooks"]
+    assert hook["node"] == "lookup" and hook["result"] == "ok"
+    assert hook["set"] == ["balance", "due_date", "first_name"] and hook["ms"] >= 0
+    assert {"node": "route", "chose": "case 2: else"} in trace["choices"]
+    heard = trace["heard"]
+    assert heard[0] == {"node": "welcome", "text": "Thank you for calling Acme Energy.",
+                        "language": "English", "voice": "ryan", "at": 0.0, "cached": True,
+                        "interrupted": False}
+    assert heard[1]["language"] == "Spanish"
+    live = next(h for h in heard if h["node"] == "balance")
+    assert live["text"].startswith("Thanks, Dana.") and not live["cached"]
+    times = [v["at"] for v in trace["visits"]]
+    assert times == sorted(times) and times[2] >= 2.0
+    assert trace["outcome"] == "hangup" and trace["target"] is None
+    assert trace["duration_s"] >= 2.0
+
+
+async def test_a_trace_records_failed_webhooks_transfers_and_private_keys(
+    speech: SpeechService, engine: Engine, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO", logger="gateway.ivr.runner")
+    script = parse_script(
+        "name: t\nvoice: {speaker: ryan}\nstart: pin\nnodes:\n"
+        "  pin:\n    gather: {digits: 4, private: true, store: pin, branch: {default: check},"
+        " fallback: agent}\n"
+        "  check:\n    webhook: {url: 'http://backend.test/pin', on_error: agent}\n"
+        "    next: agent\n"
+        "  agent: {transfer: '+15555550100'}\n"
+    )
+    h = Harness(script, speech, engine, backend=lambda r: httpx.Response(503, text="down"))
+    await h.start(prerender=False)
+    await h.waiting_for_input()
+    await h.press("4321")
+    await h.finished()
+    (trace,) = _trace_records(caplog)
+    assert [k["key"] for k in trace["keys"]] == ["*"] * 4
+    assert "4321" not in json.dumps(trace)
+    assert [(w["node"], w["result"]) for w in trace["webhooks"]] == [("check", "http 503")]
+    assert trace["outcome"] == "transfer" and trace["target"] == "+15555550100"
+    assert trace["path"] == ["pin", "check", "agent"]
+
+
+async def test_a_caller_hanging_up_is_in_the_trace(
+    demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO", logger="gateway.ivr.runner")
+    h = Harness(demo, speech, engine, cache=demo_cache)
+    await h.start()
+    await h.waiting_for_input()
+    h.call.deliver(Hangup(at=h.clock.now()))
+    await h.finished()
+    (trace,) = _trace_records(caplog)
+    assert trace["outcome"] == "caller hung up" and trace["path"] == ["welcome", "menu"]

@@ -19,6 +19,10 @@ def test_the_demo_script_is_valid() -> None:
     statics = script.static_sentences()
     assert "Thank you for calling Acme Energy." in statics
     assert not any("{" in text for text in statics)  # the balance sentence is live
+    assert script.languages_spoken() == ["English", "Spanish"]
+    spanish = {text for text, voice in script.static_renders() if voice.language == "Spanish"}
+    assert "Para español, oprima 8." in spanish
+    assert script.sentence("main_menu", "Spanish").startswith("Para el saldo de su cuenta")
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in GOLDEN.glob("*.yaml")))
@@ -74,7 +78,7 @@ def test_node_shape_errors_are_plain_english() -> None:
     errors = _errors(HEAD + "nodes:\n  a: {say: 'Hi.'}\n")
     assert errors == [
         "t.yaml:5:6: nodes.a: this node does not say where the call goes: add "
-        "'next', 'gather', 'webhook', 'transfer' or 'hangup: true'"
+        "'next', 'gather', 'webhook', 'transfer', 'branch', 'hours' or 'hangup: true'"
     ]
     errors = _errors(HEAD + "nodes:\n  a: {transfer: '+15551234567', hangup: true}\n")
     assert "a node does one thing after speaking; this one has transfer and hangup" in errors[0]
@@ -91,7 +95,7 @@ def test_templates_insert_values_as_plain_text() -> None:
 
 def test_cli_validate_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["prompts", "validate", str(ROOT / "prompts" / "demo.yaml")]) == 0
-    assert "ok (9 nodes" in capsys.readouterr().out
+    assert "ok (12 nodes, 20 cached sentences)" in capsys.readouterr().out
     assert main(["prompts", "validate", str(GOLDEN / "duplicates.yaml")]) == 1
     err = capsys.readouterr().err
     assert "duplicates.yaml:6:3: error: 'hi' is defined twice" in err
@@ -125,5 +129,83 @@ def test_prompts_render_is_resumable(
         ]
     )
     assert code == 0
-    assert "9 already cached, 0 rendered" in capsys.readouterr().out
-    assert len(list(demo_cache_dir.rglob("*.wav"))) == 9
+    # 10 English sentences, their 9 Spanish translations and the Spanish offer.
+    assert "20 already cached, 0 rendered" in capsys.readouterr().out
+    assert len(list(demo_cache_dir.rglob("*.wav"))) == 20
+
+
+def test_a_branch_ends_with_else_and_else_comes_last() -> None:
+    nodes = "nodes:\n  a:\n    branch:\n{cases}  b: {{hangup: true}}\n"
+    no_else = ("t.yaml:6:5: node 'a' branches without '- else: NODE' as its last case (where "
+               "the call goes when no test holds)")
+    assert _errors(HEAD + nodes.format(cases="      - if: caller\n        goto: b\n")) == [no_else]
+    errors = _errors(HEAD + nodes.format(cases="      - else: b\n      - if: caller\n"
+                                               "        goto: b\n"))
+    assert errors == [no_else, "t.yaml:7:15: node 'a' case 1: 'else' must be the last case (the "
+                               "cases after it could never be chosen)"]
+    errors = _errors(HEAD + nodes.format(cases="      - if: caller\n      - else: b\n"))
+    assert errors == ["t.yaml:7:9: nodes.a.branch.0: a case is '- if: CONDITION' with "
+                      "'goto: NODE' (or '- else: NODE')"]
+    errors = _errors(HEAD + nodes.format(cases="      - {else: b, goto: b}\n"))
+    assert errors == ["t.yaml:7:9: nodes.a.branch.0: 'else' stands alone: '- else: NODE'"]
+    errors = _errors(HEAD + "nodes:\n  a:\n    branch: [{else: b}]\n    next: b\n"
+                     "  b: {hangup: true}\n")
+    assert errors == ["t.yaml:6:5: nodes.a: 'next' has no effect after 'branch'"]
+
+
+def test_a_case_after_one_that_always_holds_is_unreachable_and_so_is_its_target() -> None:
+    text = HEAD + (
+        "nodes:\n  a:\n    branch:\n"
+        "      - if: '\"x\" == \"x\"'\n        goto: b\n"
+        "      - if: caller\n        goto: c\n"
+        "      - else: c\n"
+        "  b: {hangup: true}\n  c: {hangup: true}\n"
+    )
+    assert _errors(text) == [
+        "t.yaml:9:13: node 'a' case 2 is unreachable: case 1 always holds, so nothing after "
+        "it is chosen",
+        "t.yaml:11:15: node 'a' case 3 is unreachable: case 1 always holds, so nothing after "
+        "it is chosen",
+        "t.yaml:13:3: node 'c' is unreachable: nothing leads to it from 'a'",
+    ]
+
+
+def test_conditions_may_test_what_the_call_a_gather_or_a_webhook_sets() -> None:
+    script = parse_script(HEAD + (
+        "variables: {tier: basic}\n"
+        "nodes:\n"
+        "  a:\n    gather: {prompt: 'Enter it.', digits: 4, store: pin, branch: {default: w},"
+        " fallback: e}\n"
+        "  w:\n    webhook: {url: 'http://backend/x', sets: [status], on_error: e}\n"
+        "    next: r\n"
+        "  r:\n    branch:\n"
+        "      - if: caller == \"+15550001111\" and pin == 1234\n        goto: e\n"
+        "      - if: status in [\"a\", \"b\"] or tier != \"basic\" or call_id\n"
+        "        goto: e\n"
+        "      - else: e\n"
+        "  e: {hangup: true}\n"
+    ), "t.yaml")
+    assert script.successors("r") == ["e", "e", "e"]
+
+
+def test_the_gateway_refuses_a_script_in_a_language_its_model_does_not_speak(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Scripts validate against the published languages; the loaded model's own list is
+    checked before the gateway takes calls."""
+    from conftest import serve
+
+    from gateway.app import default_engine_factory
+
+    def english_only(settings):  # type: ignore[no-untyped-def]
+        engines = default_engine_factory(settings)
+        for engine in engines:
+            engine.shared.languages = ("English",)
+        return engines
+
+    settings = {"model": str(tiny_model_dir), "script": str(ROOT / "prompts" / "demo.yaml"),
+                "cache_dir": str(tmp_path / "cache"), "render_lazily": True}
+    with pytest.raises(RuntimeError) as info, serve(settings, english_only):
+        pass
+    assert "preparing the IVR script failed: the script speaks Spanish, which" in str(info.value)
+    assert "does not (it speaks English)" in str(info.value)

@@ -152,3 +152,21 @@ def test_a_clients_invalid_utf8_is_one_warning_line_not_an_error_traceback(
     assert peer["level"] == "warning" and "exc" not in peer
     assert "Closed that socket (1007)" in str(peer["msg"])
     assert other["level"] == "error" and "UnicodeDecodeError" in str(other["exc"])
+
+
+def test_a_structured_record_carries_its_fields_in_json_and_after_the_text(
+    captured: io.StringIO,
+) -> None:
+    log = logging.getLogger("gateway.test")
+    with call_context("CA1"):
+        log.info("ivr trace", extra={"data": {"trace": {"path": ["a", "b"], "msg": "kept"},
+                                              "msg": "not overwritten"}})
+    (record,) = _records(captured)
+    assert record["msg"] == "ivr trace" and record["call_id"] == "CA1"
+    assert record["trace"] == {"path": ["a", "b"], "msg": "kept"}
+    root = logging.getLogger()
+    setup_logging("info", "text")
+    text = io.StringIO()
+    root.handlers[0].setStream(text)  # type: ignore[attr-defined]
+    log.info("ivr trace", extra={"data": {"trace": {"path": ["a"]}}})
+    assert text.getvalue().rstrip().endswith('gateway.test: ivr trace {"trace":{"path":["a"]}}')

@@ -230,6 +230,16 @@ SCENARIOS = {
         ("hear", "transfer you"),
         ("ended", "transfer"),
     ],
+    # 8 during the Spanish offer switches the call's language: the menu and the transfer
+    # prompt come back in Spanish (their cached translations).
+    "en español, to an agent": [
+        ("hear", "Para español, oprima 8."),
+        ("press", "8"),
+        ("hear", "Para el saldo de su cuenta, oprima 1."),
+        ("press", "2"),
+        ("hear", "le comunico con un agente"),
+        ("ended", "transfer"),
+    ],
 }
 
 

@@ -16,6 +16,7 @@ from gateway.audio.g711 import float_to_int16
 from gateway.audio.resample import Decimator24kTo8k
 from gateway.ivr.cache import PromptCache, PromptKey
 from gateway.ivr.script import Script
+from gateway.ivr.script import Voice as ScriptVoice
 from gateway.tts.engine import Engine, SpeechRequest, VoicePrompt
 from gateway.tts.service import SpeechService
 
@@ -35,7 +36,7 @@ def resolve_voice(script: Script, voices_dir: Path | None = None) -> ResolvedVoi
     its stored prompt (re-registering the voice changes it, which invalidates its prompts)."""
     voice = script.voice
     if voice.speaker is not None:
-        return ResolvedVoice(f"speaker:{voice.speaker.lower()}")
+        return ResolvedVoice(speaker_identity(voice))
     assert voice.clone is not None
     from gateway.ivr.voices import VoiceRegistry, default_voices_dir
 
@@ -55,19 +56,71 @@ def audio_identity(engine: Engine, conditioning: Conditioning | None) -> str:
     return f"{engine.render_settings};{phone}"
 
 
-def prompt_key(script: Script, fingerprint: str, identity: str, text: str,
-               audio: str) -> PromptKey:
-    """The key of ``text`` rendered by :func:`request_for` (its seed is the script's)."""
-    voice = script.voice
+def resolve_clones(script: Script, voices_dir: Path | None = None) -> dict[str, ResolvedVoice]:
+    """Every cloned voice a node's ``voice:`` switches to (the script's own is resolved by
+    :func:`resolve_voice`)."""
+    names = {change.clone for node in script.nodes.values()
+             if (change := node.voice) is not None and change.clone is not None}
+    names.discard(script.voice.clone)
+    if not names:
+        return {}
+    from gateway.ivr.voices import VoiceRegistry, default_voices_dir
+
+    registry = VoiceRegistry(voices_dir if voices_dir is not None else default_voices_dir())
+    resolved = {}
+    for name in sorted(names):
+        record, prompt = registry.load(name)
+        resolved[name] = ResolvedVoice(
+            f"clone:{name}:{record.identity}",
+            VoicePrompt(name=name, identity=record.identity, prompt=prompt,
+                        ref_text=record.ref_text),
+        )
+    return resolved
+
+
+def speaker_identity(voice: ScriptVoice) -> str:
+    """The voice part of a built-in speaker's cache keys."""
+    return f"speaker:{(voice.speaker or '').lower()}"
+
+
+def prompt_key_for(voice: ScriptVoice, fingerprint: str, identity: str, text: str,
+                   audio: str) -> PromptKey:
+    """The cache key of ``text`` spoken with ``voice`` (language, style and seed included) and
+    rendered with the settings ``audio`` names (:func:`audio_identity`)."""
     return PromptKey(model=fingerprint, voice=identity, language=voice.language,
                      style=voice.style, text=text, seed=voice.seed, audio=audio)
 
 
-def request_for(script: Script, text: str, voice: ResolvedVoice | None = None) -> SpeechRequest:
-    spec = script.voice
+def prompt_key(script: Script, fingerprint: str, identity: str, text: str,
+               audio: str) -> PromptKey:
+    """The cache key of ``text`` in the script's own voice (its seed is the script's)."""
+    return prompt_key_for(script.voice, fingerprint, identity, text, audio)
+
+
+def request_for(spec: Script | ScriptVoice, text: str,
+                voice: ResolvedVoice | None = None) -> SpeechRequest:
+    """The request rendering ``text`` for the cache in a script's voice (or another)."""
+    if isinstance(spec, Script):
+        spec = spec.voice
     return SpeechRequest(text=text, speaker=(spec.speaker or "ryan").lower(),
                          language=spec.language, instruct=spec.style, seed=spec.seed,
                          voice_prompt=voice.prompt if voice is not None else None)
+
+
+def renders(script: Script, identity: ResolvedVoice,
+            clones: dict[str, ResolvedVoice] | None = None,
+            ) -> list[tuple[str, ScriptVoice, ResolvedVoice]]:
+    """Every static sentence with the voice it is spoken in and that voice's identity."""
+    out = []
+    for text, voice in script.static_renders():
+        if voice.clone is None:
+            resolved = ResolvedVoice(speaker_identity(voice))
+        elif voice.clone == script.voice.clone:
+            resolved = identity
+        else:
+            resolved = (clones or {})[voice.clone]
+        out.append((text, voice, resolved))
+    return out
 
 
 def pcm_from_chunks(chunks: Iterable[np.ndarray],
@@ -92,25 +145,27 @@ async def render_missing(
     fingerprint: str,
     voice: ResolvedVoice,
     conditioning: Conditioning | None = None,
+    clones: dict[str, ResolvedVoice] | None = None,
 ) -> tuple[int, int]:
-    """Load every static prompt into memory, rendering the missing ones through the scheduler.
+    """Load every static prompt into memory (in every voice and language the script speaks
+    it in), rendering the missing ones through the scheduler.
 
     Returns ``(hits, rendered)``. Renders run concurrently, one per free slot.
     """
     hits = rendered = 0
-    todo: list[tuple[PromptKey, str]] = []
+    todo: list[tuple[PromptKey, SpeechRequest]] = []
     audio = audio_identity(speech.engines[0], conditioning)
-    for text in script.static_sentences():
-        key = prompt_key(script, fingerprint, voice.identity, text, audio)
+    for text, spec, resolved in renders(script, voice, clones):
+        key = prompt_key_for(spec, fingerprint, resolved.identity, text, audio)
         if cache.get(key) is not None:
             hits += 1
         else:
-            todo.append((key, text))
+            todo.append((key, request_for(spec, text, resolved)))
 
-    async def render_one(key: PromptKey, text: str) -> None:
+    async def render_one(key: PromptKey, request: SpeechRequest) -> None:
         nonlocal rendered
         t0 = time.monotonic()
-        stream = speech.stream(request_for(script, text, voice))
+        stream = speech.stream(request)
         chunks = [chunk async for chunk in stream]
         cache.put(key, pcm_from_chunks(chunks, conditioning), render_s=time.monotonic() - t0)
         rendered += 1
@@ -120,10 +175,10 @@ async def render_missing(
     # the whole script in a few batched passes instead of one prompt at a time.
     limit = asyncio.Semaphore(max(1, speech.capacity))
 
-    async def bounded(key: PromptKey, text: str) -> None:
+    async def bounded(key: PromptKey, request: SpeechRequest) -> None:
         async with limit:
-            await render_one(key, text)
+            await render_one(key, request)
 
-    await asyncio.gather(*(bounded(key, text) for key, text in todo))
+    await asyncio.gather(*(bounded(key, request) for key, request in todo))
     log.info("prompt cache for %r: %d hit(s), %d rendered", script.name, hits, rendered)
     return hits, rendered

@@ -41,8 +41,12 @@ from gateway.call.events import (
 from gateway.call.session import Call, Dialog, Utterance
 from gateway.clock import Clock, SystemClock
 from gateway.ivr.cache import PromptCache, PromptKey
+from gateway.ivr.prompts import ResolvedVoice, prompt_key_for, speaker_identity
 from gateway.ivr.script import (
+    BUILTIN_VARIABLES,
+    Case,
     Gather,
+    Node,
     SayItem,
     Script,
     Sentence,
@@ -50,7 +54,10 @@ from gateway.ivr.script import (
     render,
     template_variables,
 )
+from gateway.ivr.script import Voice as ScriptVoice
+from gateway.ivr.trace import CallTrace, Heard, KeyPress, Visit, WebhookCall
 from gateway.speech import Speaker
+from gateway.speech import Voice as SpeechVoice
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +80,10 @@ class _Failed(Exception):
     the call, with its traceback when it was a bug); the runner then only notes its decision.
     """
 
-    def __init__(self, reason: str, *, logged: bool = False) -> None:
+    def __init__(self, reason: str, result: str = "failed", *, logged: bool = False) -> None:
         super().__init__(reason)
+        #: In a word, for the call's trace ("http 500", "too large").
+        self.result = result
         self.logged = logged
 
 
@@ -95,20 +104,36 @@ class RunnerContext:
     http: httpx.AsyncClient | None = None
     #: WAV files named by ``play`` nodes, loaded and converted to 8 kHz PCM at start-up.
     sounds: dict[str, np.ndarray] = field(default_factory=dict)
+    #: Cloned voices a node's ``voice:`` switches to, by name (resolved at start-up).
+    clones: dict[str, ResolvedVoice] = field(default_factory=dict)
 
-    def key(self, text: str) -> PromptKey:
-        """The key of ``text`` rendered with the script's seed (a cacheable sentence is always
-        rendered with it, live or ahead, so the key names the seed its audio really had)."""
-        voice = self.script.voice
-        return PromptKey(
-            model=self.model_fingerprint,
-            voice=self.voice_identity,
-            language=voice.language,
-            style=voice.style,
-            text=text,
-            seed=voice.seed,
-            audio=self.audio,
-        )
+    def key(self, text: str, voice: ScriptVoice | None = None) -> PromptKey:
+        """The cache key of ``text`` spoken with ``voice`` (default: the script's)."""
+        voice = voice if voice is not None else self.script.voice
+        return prompt_key_for(voice, self.model_fingerprint, self.identity(voice), text,
+                              self.audio)
+
+    def identity(self, voice: ScriptVoice) -> str:
+        """The voice part of a cache key (a clone's includes the hash of its stored prompt)."""
+        if voice.clone is None:
+            return speaker_identity(voice)
+        if voice.clone == self.script.voice.clone:
+            return self.voice_identity
+        return self.clones[voice.clone].identity
+
+    def speaker_for(self, voice: ScriptVoice) -> Speaker:
+        """Live speech in ``voice``: the gateway's speaker for the script's own voice, the same
+        speech service in another voice after a node changed it."""
+        if voice == self.script.voice:
+            return self.speaker
+        prompt = self.speaker.voice.prompt
+        if voice.clone is not None and voice.clone != self.script.voice.clone:
+            prompt = self.clones[voice.clone].prompt
+        return self.speaker.with_voice(SpeechVoice(
+            speaker=(voice.speaker or "ryan").lower(), language=voice.language,
+            instruct=voice.style, seed=self.speaker.voice.seed,
+            prompt=prompt if voice.clone is not None else None,
+        ))
 
 
 class IvrDialogs:
@@ -130,19 +155,23 @@ class IvrDialogs:
 class IvrRunner:
     """Runs one call through the script."""
 
-    def __init__(self, call: Call, context: RunnerContext, variables: dict[str, str]) -> None:
+    def __init__(self, call: Call, context: RunnerContext, variables: dict[str, str],
+                 trace: CallTrace | None = None) -> None:
         self.call = call
         self.ctx = context
         self.script = context.script
         self.clock = context.clock
+        #: What the call went through (logged at hang-up; the script tester reads it).
+        self.trace = trace if trace is not None else CallTrace(
+            call.call_id, self.script.name, call.answered_at)
         self.variables: dict[str, str] = {**self.script.variables, **variables}
+        #: Who speaks now (a node's ``voice`` or ``set: {language}`` changes it).
+        self.voice: ScriptVoice = self.script.voice
+        self.variables["language"] = self.voice.language
         self.typeahead: list[str] = []
         self.path: list[str] = []
         # When the caller's current turn ended (None once an utterance has answered it).
         self._turn_at: float | None = call.answered_at
-        # A cacheable sentence rendered live (a miss) is stored under the script's seed: it is
-        # rendered with that seed, as ahead-of-time renders are, not unseeded.
-        self._cache_voice = replace(context.speaker.voice, seed=self.script.voice.seed)
 
     async def run(self) -> None:
         """Drive the call from ``start`` until it is transferred, hung up, or the caller leaves."""
@@ -158,12 +187,32 @@ class IvrRunner:
                 await self.call.end(HangUp())
         except _CallEnded:
             log.info("call %s: caller left during %s", self.call.call_id, self.path[-1:])
+        finally:
+            self._finish_trace()
+
+    def _finish_trace(self) -> None:
+        trace = self.trace
+        trace.ended_at = self.clock.now()
+        outcome = self.call.outcome
+        if isinstance(outcome, TransferTo):
+            trace.outcome, trace.target = "transfer", outcome.target
+        elif isinstance(outcome, HangUp):
+            trace.outcome = "hangup"
+        elif self.call.ended:
+            trace.outcome = "caller hung up"
+        else:
+            trace.outcome = "error"
+        # One record per call: what the caller went through, for the author (gateway.logs puts
+        # its fields in the JSON line).
+        log.info("ivr trace", extra={"data": {"trace": trace.to_record()}})
 
     # --- nodes --------------------------------------------------------------------------------
 
     async def _step(self, name: str) -> str | None:
         node = self.script.nodes[name]
         self.path.append(name)
+        self.trace.visits.append(Visit(name, self.clock.now()))
+        self._arrive(node)
         try:
             if node.say:
                 await self._speak(node.say, barge_in=node.barge_in)
@@ -174,6 +223,12 @@ class IvrRunner:
             if node.webhook is not None:
                 await self._webhook(name, node.webhook)
                 return node.next
+            if node.branch is not None:
+                return self._branch(name, node.branch)
+            if node.hours is not None:
+                is_open = node.hours.schedule.is_open_at(self.clock.wall())
+                self.trace.choices.append((name, "open" if is_open else "closed"))
+                return node.hours.open if is_open else node.hours.closed
             if node.transfer is not None:
                 await self.call.end(TransferTo(node.transfer))
                 return None
@@ -190,6 +245,20 @@ class IvrRunner:
                 await self.call.end(HangUp())
             return target
 
+    def _arrive(self, node: Node) -> None:
+        """Apply the node's ``voice`` and ``set`` (before it says anything; the language
+        first, so the other values may read it)."""
+        voice = node.voice_after(self.voice)
+        if voice != self.voice:
+            if voice.language != self.voice.language:
+                log.info("call %s: language %s -> %s", self.call.call_id, self.voice.language,
+                         voice.language)
+            self.voice = voice
+            self.variables["language"] = voice.language
+        for variable, value in (node.assign or {}).items():
+            if variable != "language":
+                self.variables[variable] = render(value, self.variables)
+
     def _on_error(self, name: str) -> str | None:
         node = self.script.nodes[name]
         if node.webhook is not None and node.webhook.on_error:
@@ -198,36 +267,59 @@ class IvrRunner:
         # Never loop on a failing error node.
         return error if error is not None and error != name else None
 
+    def _branch(self, name: str, cases: Sequence[Case]) -> str:
+        """The first case whose test holds, else the final ``else`` (the loader requires it)."""
+        chosen = len(cases) - 1
+        for i, case in enumerate(cases[:-1]):
+            condition = case.condition
+            if condition is not None and condition.evaluate(self.variables):
+                chosen = i
+                break
+        self.trace.choices.append((name, f"case {chosen + 1}: {cases[chosen].when or 'else'}"))
+        return cases[chosen].target
+
     # --- speaking -----------------------------------------------------------------------------
 
     async def _speak(self, items: Sequence[SayItem], *, barge_in: bool) -> bool:
         """Say ``items`` in order; False if the caller barged in (the rest is skipped)."""
         for item in items:
-            text = render(self.script.sentence(item), self.variables)
+            voice = self.script.spoken_voice(item, self.voice)
+            template = self.script.sentence(item, voice.language)
+            text = render(template, self.variables)
             if not text.strip():
                 continue
-            utterance = self._start_utterance(item, text)
+            utterance = self._start_utterance(item, template, text, voice)
+            heard = Heard(self.path[-1] if self.path else "", text, voice.language,
+                          voice.clone or voice.speaker or "", self.clock.now(),
+                          cached=utterance.cached)
+            self.trace.heard.append(heard)
             if not await self._wait_played(utterance, barge_in=barge_in):
+                heard.interrupted = True
                 return False
-            self._after_utterance(item, text, utterance)
+            self._after_utterance(text, voice, utterance)
         return True
 
-    def _start_utterance(self, item: SayItem, text: str) -> Utterance:
-        static = not template_variables(self.script.sentence(item))
+    def _start_utterance(self, item: SayItem, template: str, text: str,
+                         voice: ScriptVoice) -> Utterance:
+        static = not template_variables(template)
         cacheable = static or (isinstance(item, Sentence) and item.cache)
         turn, self._turn_at = self._turn_at, None
         if cacheable:
-            pcm = self.ctx.cache.peek(self.ctx.key(text))
+            pcm = self.ctx.cache.peek(self.ctx.key(text, voice))
             if pcm is not None:
                 return self.call.play(pcm, label=text, turn_started_at=turn)
-        return self.ctx.speaker.say(self.call, text, turn_started_at=turn, capture=cacheable,
-                                    voice=self._cache_voice if cacheable else None)
+        speaker = self.ctx.speaker_for(voice)
+        # A cacheable sentence rendered live (a miss) is stored under its voice's seed: it is
+        # rendered with that seed, as ahead-of-time renders are, not unseeded.
+        cache_voice = replace(speaker.voice, seed=voice.seed) if cacheable else None
+        return speaker.say(self.call, text, turn_started_at=turn, capture=cacheable,
+                           voice=cache_voice)
 
-    def _after_utterance(self, item: SayItem, text: str, utterance: Utterance) -> None:
+    def _after_utterance(self, text: str, voice: ScriptVoice, utterance: Utterance) -> None:
         # A cacheable sentence rendered live (a cache miss) is stored once complete.
         pcm = utterance.captured_pcm()
         if pcm is not None and len(pcm):
-            key = self.ctx.key(text)
+            key = self.ctx.key(text, voice)
             # The next caller plays it from memory at once; the disk write (and its fsync) runs
             # off the event loop, so a slow or hung disk never stalls this replica's calls.
             self.ctx.cache.put(key, pcm, to_disk=False)
@@ -254,6 +346,8 @@ class IvrRunner:
                                            utterance=utterance)
             if event is None:
                 continue
+            if isinstance(event, Dtmf):
+                self._key(event.digit)  # in the trace even when it cannot interrupt
             if isinstance(event, Dtmf | SpeechStarted) and barge_in:
                 await self.call.barge_in()
                 self._turn_at = event.at
@@ -294,6 +388,8 @@ class IvrRunner:
         deadline = None if timeout is None else self.clock.now() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - self.clock.now())
+            if self.trace.on_waiting is not None and self.call.events.empty():
+                self.trace.on_waiting()
             got = await self._event_within(remaining)
             if isinstance(got, Hangup) or self.call.ended:
                 raise _CallEnded()
@@ -308,6 +404,12 @@ class IvrRunner:
             return await self.clock.wait_for(self.call.events.get(), timeout)
         except TimeoutError:
             return None
+
+    def _key(self, digit: str) -> None:
+        node = self.path[-1] if self.path else ""
+        gather = self.script.nodes[node].gather if node in self.script.nodes else None
+        shown = "*" if gather is not None and gather.private else digit
+        self.trace.keys.append(KeyPress(node, shown, self.clock.now()))
 
     # --- gathering ----------------------------------------------------------------------------
 
@@ -347,6 +449,7 @@ class IvrRunner:
                 return "".join(entered)
             if isinstance(event, Dtmf):
                 self._turn_at = event.at
+                self._key(event.digit)
                 self.typeahead.append(event.digit)
                 timeout = gather.inter_digit_timeout
 
@@ -362,6 +465,9 @@ class IvrRunner:
         client = self.ctx.http
         own = client is None
         client = client or httpx.AsyncClient()
+        started = self.clock.now()
+        call = WebhookCall(name, hook.url, "ok", 0.0)
+        self.trace.webhooks.append(call)
         try:
             # httpx's timeout bounds each read, not the whole exchange: a backend trickling a
             # byte a second would hold the call forever. The deadline covers everything, and
@@ -370,19 +476,31 @@ class IvrRunner:
                 content = await _post_json(client, hook, body)
             data = json.loads(content)
         except (TimeoutError, httpx.TimeoutException):
+            call.result = "timeout"
             raise _Failed(f"webhook {hook.url} timed out after {hook.timeout:g} s") from None
+        except _Failed as exc:
+            call.result = exc.result
+            raise
         except httpx.HTTPError as exc:
+            call.result = f"failed: {type(exc).__name__}"
             raise _Failed(f"webhook {hook.url} failed: {exc}") from None
         except (ValueError, RecursionError):
             # RecursionError: a few thousand nested brackets fit in MAX_WEBHOOK_BYTES.
+            call.result = "not json"
             raise _Failed(f"webhook {hook.url} did not answer JSON") from None
         finally:
+            call.ms = round(1000 * (self.clock.now() - started), 1)
             if own:
                 await client.aclose()
         if not isinstance(data, dict):
+            call.result = "not a json object"
             raise _Failed(f"webhook {hook.url} answered JSON that is not an object")
         merged = _merge_variables(data)
+        # The call's own variables are facts of the call, not the backend's to change.
+        for name in BUILTIN_VARIABLES:
+            merged.pop(name, None)
         self.variables.update(merged)
+        call.set = sorted(merged)
         # The turn that follows a webhook is measured from its answer.
         self._turn_at = self.clock.now()
         log.info("call %s: webhook %s set %s", self.call.call_id, name, sorted(merged))
@@ -392,16 +510,19 @@ async def _post_json(client: httpx.AsyncClient, hook: Webhook, body: dict[str, A
     """POST ``body``; the answer's bytes, refused (:class:`_Failed`) past MAX_WEBHOOK_BYTES."""
     async with client.stream("POST", hook.url, json=body, timeout=hook.timeout) as response:
         if response.status_code >= 400:
-            raise _Failed(f"webhook {hook.url} answered {response.status_code}")
+            raise _Failed(f"webhook {hook.url} answered {response.status_code}",
+                          f"http {response.status_code}")
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and (len(declared) > 18 or int(declared) > MAX_WEBHOOK_BYTES):
-            raise _Failed(f"webhook {hook.url} answered more than {MAX_WEBHOOK_BYTES} bytes")
+            raise _Failed(f"webhook {hook.url} answered more than {MAX_WEBHOOK_BYTES} bytes",
+                          "too large")
         chunks: list[bytes] = []
         size = 0
         async for chunk in response.aiter_bytes():
             size += len(chunk)
             if size > MAX_WEBHOOK_BYTES:
-                raise _Failed(f"webhook {hook.url} answered more than {MAX_WEBHOOK_BYTES} bytes")
+                raise _Failed(f"webhook {hook.url} answered more than {MAX_WEBHOOK_BYTES} bytes",
+                              "too large")
             chunks.append(chunk)
     return b"".join(chunks)
 

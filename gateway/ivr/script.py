@@ -31,11 +31,13 @@ speaker, text too long for one utterance, duplicate names).
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -51,6 +53,8 @@ from pydantic import (
 )
 
 from gateway.errors import GatewayError
+from gateway.ivr.conditions import Condition, ConditionError, compile_condition
+from gateway.ivr.hours import HoursError, Schedule
 
 #: Longest sentence spoken as one utterance (~25 s of speech). Longer text should be split into
 #: several sentences so the caller can barge in between them and a failure loses less.
@@ -63,8 +67,18 @@ SPEAKERS = ("aiden", "dylan", "eric", "ono_anna", "ryan", "serena", "sohee", "un
 LANGUAGES = ("Auto", "Chinese", "English", "French", "German", "Italian", "Japanese", "Korean",
              "Portuguese", "Russian", "Spanish")
 
-#: Variables every call has.
-BUILTIN_VARIABLES = frozenset({"caller", "called", "call_id"})
+#: Variables every call has (``language``: the language the call speaks now).
+BUILTIN_VARIABLES = frozenset({"caller", "called", "call_id", "language"})
+#: Variables a script cannot set (they come from the call).
+CALL_VARIABLES = frozenset({"caller", "called", "call_id"})
+
+
+def canonical_language(name: str, languages: Iterable[str] = LANGUAGES) -> str:
+    """``spanish`` -> ``Spanish`` (the model's spelling); unknown names are kept as written."""
+    for known in languages:
+        if known.lower() == name.lower():
+            return known
+    return name
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PHONE = re.compile(r"^\+[1-9][0-9]{6,14}$")
@@ -101,6 +115,8 @@ class _Map(dict[str, Any]):
 
     key_pos: dict[str, tuple[int, int]]
     value_pos: dict[str, tuple[int, int]]
+    #: YAML scalar style of each value (None plain, '"' or "'" quoted, '|' or '>' block).
+    value_style: dict[str, str | None]
     pos: tuple[int, int]
 
 
@@ -125,7 +141,8 @@ class _Loader(yaml.SafeLoader):
 
 def _construct_map(loader: _Loader, node: yaml.MappingNode) -> _Map:
     result = _Map()
-    result.key_pos, result.value_pos, result.pos = {}, {}, _mark(node)
+    result.key_pos, result.value_pos, result.value_style = {}, {}, {}
+    result.pos = _mark(node)
     loader.flatten_mapping(node)
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
@@ -135,6 +152,8 @@ def _construct_map(loader: _Loader, node: yaml.MappingNode) -> _Map:
         result[key] = loader.construct_object(value_node, deep=True)
         result.key_pos[key] = _mark(key_node)
         result.value_pos[key] = _mark(value_node)
+        result.value_style[key] = (value_node.style if isinstance(value_node, yaml.ScalarNode)
+                                   else None)
     return result
 
 
@@ -164,6 +183,26 @@ def _position(tree: Any, loc: Iterable[str | int]) -> tuple[int, int]:
         else:
             continue
     return pos
+
+
+def _text_position(tree: Any, path: Iterable[str | int], offset: int) -> tuple[int, int]:
+    """Position of character ``offset`` of the one-line scalar at ``path`` (a condition's
+    error points at the very character; a block scalar's at its first line)."""
+    parts = list(path)
+    line, column = _position(tree, parts)
+    parent: Any = tree
+    for part in parts[:-1]:
+        if isinstance(parent, (_Map, _Seq)):
+            try:
+                parent = parent[part]  # type: ignore[index]
+            except (KeyError, IndexError, TypeError):
+                return line, column
+    last = parts[-1] if parts else None
+    style = parent.value_style.get(last) if isinstance(parent, _Map) and isinstance(last, str) \
+        else None
+    if style in ("|", ">"):
+        return line + 1, column
+    return line, column + offset + (1 if style in ('"', "'") else 0)
 
 
 def _key_position(tree: Any, path: Iterable[str | int]) -> tuple[int, int]:
@@ -211,6 +250,8 @@ class Sentence(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     text: str
     cache: bool = False
+    #: Always spoken in this language, whatever the call's ("Para español, oprima 8.").
+    language: str | None = None
 
 
 SayItem = str | Sentence
@@ -236,6 +277,40 @@ class Voice(BaseModel):
         return self
 
 
+class VoiceChange(BaseModel):
+    """A node's ``voice:``: who speaks from this node on (only the fields given change)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    speaker: str | None = None
+    clone: str | None = None
+    language: str | None = None
+    style: str | None = None
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> VoiceChange:
+        if self.speaker is not None and self.clone is not None:
+            raise ValueError("give 'speaker' or 'clone', not both")
+        if all(getattr(self, f) is None for f in type(self).model_fields):
+            raise ValueError("'voice' changes nothing: give a speaker, clone, language, "
+                             "style or seed")
+        return self
+
+
+def _set_values(value: Any) -> Any:
+    """``set:`` values as text, the way a webhook's are (true -> "yes")."""
+    if not isinstance(value, dict):
+        return value
+    out: dict[Any, Any] = {}
+    for key, item in value.items():
+        if isinstance(item, bool):
+            item = "yes" if item else "no"
+        elif isinstance(item, (int, float)):
+            item = str(item)
+        out[key] = item
+    return out
+
+
 class Gather(BaseModel):
     """Collect DTMF digits, with retries, then branch."""
 
@@ -248,6 +323,8 @@ class Gather(BaseModel):
     retries: int = Field(2, ge=0, le=10)
     retry_prompt: SayList = Field(default_factory=list)
     store: str = "digits"
+    #: Keep the keys out of the call's trace (card numbers, PINs): logged as '*'.
+    private: bool = False
     branch: dict[str, str] = Field(default_factory=dict)
     fallback: str | None = None
 
@@ -287,10 +364,93 @@ class Webhook(BaseModel):
         return value
 
 
+class Case(BaseModel):
+    """One case of a ``branch``: ``{if: CONDITION, goto: NODE}``, or the last, ``{else: NODE}``.
+
+    Conditions are :mod:`gateway.ivr.conditions` expressions over the call's variables."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    when: str | None = Field(None, alias="if")
+    goto: str | None = None
+    otherwise: str | None = Field(None, alias="else")
+
+    @model_validator(mode="after")
+    def _shape(self) -> Case:
+        if self.otherwise is not None:
+            if self.when is not None or self.goto is not None:
+                raise ValueError("'else' stands alone: '- else: NODE'")
+        elif self.when is None or self.goto is None:
+            raise ValueError("a case is '- if: CONDITION' with 'goto: NODE' (or '- else: NODE')")
+        return self
+
+    @property
+    def target(self) -> str:
+        target = self.otherwise if self.otherwise is not None else self.goto
+        assert target is not None
+        return target
+
+    @property
+    def condition(self) -> Condition | None:
+        """The parsed test (None for ``else``); the loader has checked that it parses."""
+        return compile_condition(self.when) if self.when is not None else None
+
+
+Cases = Annotated[list[Case], Field(min_length=1)]
+
+#: A day's hours: "08:00-18:00", "08:00-12:00, 13:00-17:00", a list of ranges, or "closed".
+DayHours = str | list[str]
+
+
+class Holiday(BaseModel):
+    """A date with hours of its own (a date alone in ``holidays`` is closed all day)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    date: date
+    hours: DayHours = "closed"
+
+
+class Hours(BaseModel):
+    """Open or closed now, by a weekly schedule in a named time zone (see :mod:`.hours`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    timezone: str
+    weekly: dict[str, DayHours]
+    holidays: list[date | Holiday] = Field(default_factory=list)
+    open: str
+    closed: str
+
+    def holiday_hours(self) -> list[tuple[date, DayHours]]:
+        return [(h, "closed") if isinstance(h, date) else (h.date, h.hours)
+                for h in self.holidays]
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """The compiled schedule (the loader has checked that it compiles)."""
+        return Schedule.compile(self.timezone, self.weekly, self.holiday_hours())
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One way out of a node, for reachability, the flow graph and the script tester."""
+
+    target: str
+    #: What takes this way, in the author's words ("1", 'balance > 500', "no answer", ...).
+    label: str
+    #: next | key | fallback | error | case | else | open | closed
+    kind: str
+    #: Where the target is written in the YAML (under the node).
+    path: tuple[str | int, ...]
+
+
 class Node(BaseModel):
     """One step of the call flow."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    #: Variables set on arrival (``language`` changes the call's language).
+    assign: Annotated[dict[str, str], BeforeValidator(_set_values)] | None = Field(
+        None, alias="set")
+    #: Who speaks from this node on.
+    voice: VoiceChange | None = None
     say: SayList | None = None
     play: str | None = None
     barge_in: bool = True
@@ -298,24 +458,27 @@ class Node(BaseModel):
     webhook: Webhook | None = None
     transfer: str | None = None
     hangup: bool | None = None
+    #: Conditions on the call's variables, tried in order (see :class:`Case`).
+    branch: Cases | None = None
+    #: Open or closed by the clock (see :class:`Hours`).
+    hours: Hours | None = None
     next: str | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> Node:
         if self.say is not None and self.play is not None:
             raise ValueError("a node says or plays, not both: split it into two nodes")
-        steps = [name for name in ("gather", "webhook", "transfer", "hangup")
-                 if getattr(self, name) not in (None, False)]
+        steps = [name for name in STEPS if getattr(self, name) not in (None, False)]
         if self.hangup is False:
             raise ValueError("'hangup: false' means nothing; remove it or use 'next'")
         if len(steps) > 1:
             raise ValueError(f"a node does one thing after speaking; this one has "
                              f"{' and '.join(steps)}: split it into nodes")
-        if steps and steps[0] in ("transfer", "hangup", "gather") and self.next is not None:
+        if steps and steps[0] != "webhook" and self.next is not None:
             raise ValueError(f"'next' has no effect after '{steps[0]}'")
         if not steps and self.next is None:
             raise ValueError("this node does not say where the call goes: add 'next', "
-                             "'gather', 'webhook', 'transfer' or 'hangup: true'")
+                             f"{', '.join(repr(s) for s in STEPS[:-1])} or 'hangup: true'")
         if self.webhook is not None and self.next is None:
             raise ValueError("a webhook node needs 'next' (where to go when it succeeds)")
         if self.transfer is not None and not (
@@ -324,6 +487,79 @@ class Node(BaseModel):
             raise ValueError(f"transfer target '{self.transfer}' is neither an E.164 phone "
                              "number (+15551234567) nor a SIP URI (sip:agent@pbx.example.com)")
         return self
+
+    def voice_after(self, voice: Voice, languages: Iterable[str] = LANGUAGES) -> Voice:
+        """The call's voice once this node's ``voice`` and ``set: {language}`` apply."""
+        update: dict[str, Any] = {}
+        change = self.voice
+        if change is not None:
+            if change.speaker is not None:
+                update.update(speaker=change.speaker, clone=None)
+            if change.clone is not None:
+                update.update(clone=change.clone, speaker=None)
+            for field in ("language", "style", "seed"):
+                if getattr(change, field) is not None:
+                    update[field] = getattr(change, field)
+        if self.assign is not None and "language" in self.assign:
+            update["language"] = self.assign["language"]
+        if "language" in update:
+            update["language"] = canonical_language(update["language"], languages)
+        return voice.model_copy(update=update) if update else voice
+
+    def edges(self) -> list[Edge]:
+        """Every way out of this node, in the order the runner tries them."""
+        out: list[Edge] = []
+        if self.gather is not None:
+            for key, target in self.gather.branch.items():
+                out.append(Edge(target, "any other key" if key == "default" else key, "key",
+                                ("gather", "branch", key)))
+            if self.gather.fallback is not None:
+                out.append(Edge(self.gather.fallback, "no answer", "fallback",
+                                ("gather", "fallback")))
+        if self.branch is not None:
+            for i, case in enumerate(self.branch):
+                if case.when is not None:
+                    out.append(Edge(case.target, case.when, "case", ("branch", i, "goto")))
+                else:
+                    out.append(Edge(case.target, "else", "else", ("branch", i, "else")))
+        if self.hours is not None:
+            out.append(Edge(self.hours.open, "open", "open", ("hours", "open")))
+            out.append(Edge(self.hours.closed, "closed", "closed", ("hours", "closed")))
+        if self.next is not None:
+            out.append(Edge(self.next, "", "next", ("next",)))
+        if self.webhook is not None and self.webhook.on_error is not None:
+            out.append(Edge(self.webhook.on_error, "error", "error", ("webhook", "on_error")))
+        return out
+
+    def dead_cases(self) -> dict[int, str]:
+        """Cases of this node's ``branch`` that can never be chosen, with the reason."""
+        dead: dict[int, str] = {}
+        seen: dict[str, int] = {}
+        always: int | None = None
+        for i, case in enumerate(self.branch or []):
+            try:
+                condition = case.condition
+            except ConditionError:
+                continue  # the loader reports it where it is
+            if always is not None:
+                dead[i] = f"case {always + 1} always holds, so nothing after it is chosen"
+                continue
+            if condition is None:
+                continue
+            if not condition.variables:
+                if condition.evaluate({}):
+                    always = i
+                else:
+                    dead[i] = "its test reads no variable and never holds"
+                    continue
+            earlier = seen.setdefault(condition.canonical, i)
+            if earlier != i:
+                dead[i] = f"case {earlier + 1} already tests the same thing"
+        return dead
+
+
+#: What a node does after speaking (exactly one, or 'next').
+STEPS = ("gather", "webhook", "transfer", "branch", "hours", "hangup")
 
 
 class Script(BaseModel):
@@ -336,29 +572,120 @@ class Script(BaseModel):
     error: str | None = None
     variables: dict[str, str] = Field(default_factory=dict)
     prompts: dict[str, str] = Field(default_factory=dict)
+    #: Language -> prompt name -> text: what a prompt says when the call speaks that language.
+    translations: dict[str, dict[str, str]] = Field(default_factory=dict)
     nodes: dict[str, Node]
 
     #: Where the script came from (set by the loader; not part of the YAML).
     path: Path | None = Field(None, exclude=True)
+
+    # --- the flow -------------------------------------------------------------------------
+
+    def successors(self, name: str) -> list[str]:
+        """Nodes a call can go to from ``name`` (cases that can never hold left out)."""
+        node = self.nodes[name]
+        dead = node.dead_cases() if node.branch is not None else {}
+        return [edge.target for edge in node.edges()
+                if edge.target in self.nodes
+                and not (edge.kind in ("case", "else") and edge.path[1] in dead)]
 
     # --- what speaks ----------------------------------------------------------------------
 
     def is_prompt_ref(self, item: SayItem) -> bool:
         return isinstance(item, str) and item in self.prompts
 
-    def sentence(self, item: SayItem) -> str:
-        """The text an item stands for (a prompt's text, or the literal sentence)."""
+    def sentence(self, item: SayItem, language: str | None = None) -> str:
+        """The text an item stands for in ``language`` (default: the script's): a prompt's
+        text or its translation, or the literal sentence."""
         if isinstance(item, Sentence):
             return item.text
+        if item in self.prompts and language is not None:
+            translated = self.translation(language).get(item)
+            if translated is not None:
+                return translated
         return self.prompts.get(item, item)
 
+    def translation(self, language: str) -> dict[str, str]:
+        """The prompts translated into ``language`` (empty for the script's own language)."""
+        if language.lower() == self.voice.language.lower():
+            return {}
+        for name, texts in self.translations.items():
+            if name.lower() == language.lower():
+                return texts
+        return {}
+
+    def spoken_voice(self, item: SayItem, voice: Voice) -> Voice:
+        """The voice ``item`` is spoken with when the call's voice is ``voice``."""
+        if isinstance(item, Sentence) and item.language is not None:
+            language = canonical_language(item.language)
+            if language != voice.language:
+                return voice.model_copy(update={"language": language})
+        return voice
+
+    def voice_states(self) -> dict[str, list[Voice]]:
+        """For each reachable node, every voice it may speak with (after its own ``voice`` and
+        ``set: {language}``): the call's voice is a fact of the path, found by following the
+        flow from ``start``. The error node may be reached from any node."""
+        arriving: dict[str, list[Voice]] = {}
+
+        def add(name: str, voice: Voice) -> bool:
+            seen = arriving.setdefault(name, [])
+            if voice in seen:
+                return False
+            seen.append(voice)
+            return True
+
+        queue: deque[str] = deque()
+        if self.start in self.nodes:
+            add(self.start, self.voice)
+            queue.append(self.start)
+        while True:
+            while queue:
+                name = queue.popleft()
+                node = self.nodes[name]
+                for voice in list(arriving[name]):
+                    after = node.voice_after(voice)
+                    queue.extend(t for t in self.successors(name) if add(t, after))
+            if self.error not in self.nodes:
+                break
+            error = self.error
+            grew = [add(error, self.nodes[name].voice_after(voice))
+                    for name, voices in list(arriving.items()) for voice in list(voices)]
+            if not any(grew):
+                break
+            queue.append(error)
+        states: dict[str, list[Voice]] = {}
+        for name, voices in arriving.items():
+            for voice in voices:
+                after = self.nodes[name].voice_after(voice)
+                if after not in states.setdefault(name, []):
+                    states[name].append(after)
+        return states
+
+    def static_renders(self) -> list[tuple[str, Voice]]:
+        """Every sentence without variables with each voice it may be spoken in: rendered
+        once, served from the cache."""
+        found: dict[tuple[str, Voice], None] = {}
+        states = self.voice_states()
+        for name, item in self.say_items():
+            for call_voice in states.get(name, []):
+                voice = self.spoken_voice(item, call_voice)
+                text = self.sentence(item, voice.language)
+                if not template_variables(text):
+                    found.setdefault((text, voice), None)
+        return list(found)
+
     def static_sentences(self) -> list[str]:
-        """Every sentence without variables: rendered once, served from the cache."""
+        """Every sentence without variables (in any of the script's languages)."""
+        return list(dict.fromkeys(text for text, _ in self.static_renders()))
+
+    def languages_spoken(self) -> list[str]:
+        """Every language some sentence of the script may be spoken in."""
         found: dict[str, None] = {}
-        for _, item in self.say_items():
-            text = self.sentence(item)
-            if not template_variables(text):
-                found.setdefault(text, None)
+        states = self.voice_states()
+        for name, item in self.say_items():
+            for voice in states.get(name, []):
+                found.setdefault(self.spoken_voice(item, voice).language, None)
         return list(found)
 
     def say_items(self) -> Iterator[tuple[str, SayItem]]:
@@ -558,6 +885,15 @@ def _check_logic(
             for digits, target in g.branch.items():
                 check_node_ref(target, (*base, "gather", "branch", digits),
                                f"node '{name}' sends '{digits}' to")
+                where = _key_position(tree, (*base, "gather", "branch", digits))
+                if digits == "default":
+                    continue
+                if g.digits is not None and len(digits) > g.digits:
+                    report(where, f"node '{name}' key '{digits}' is unreachable: the gather "
+                                  f"stops after {g.digits} digit{'s' if g.digits > 1 else ''}")
+                elif g.terminator is not None and g.terminator in digits:
+                    report(where, f"node '{name}' key '{digits}' is unreachable: "
+                                  f"'{g.terminator}' ends the input, it is never part of it")
             check_node_ref(g.fallback, (*base, "gather", "fallback"),
                            f"node '{name}' falls back to")
             if g.fallback is None and script.error is None:
@@ -572,6 +908,36 @@ def _check_logic(
             if node.webhook.on_error is None and script.error is None:
                 report(pos(*base, "webhook"), f"node '{name}' calls a webhook with nowhere to go "
                                               "if it fails: add 'on_error: <node>'")
+        if node.branch is not None:
+            dead = node.dead_cases()
+            if node.branch[-1].otherwise is None:
+                report(_key_position(tree, (*base, "branch")),
+                       f"node '{name}' branches without '- else: NODE' as its last case (where "
+                       "the call goes when no test holds)")
+            for i, case in enumerate(node.branch):
+                field = "if" if case.when is not None else "else"
+                if case.otherwise is not None and i != len(node.branch) - 1:
+                    report(pos(*base, "branch", i, "else"),
+                           f"node '{name}' case {i + 1}: 'else' must be the last case (the "
+                           "cases after it could never be chosen)")
+                if case.when is not None:
+                    try:
+                        compile_condition(case.when)
+                    except ConditionError as exc:
+                        report(_text_position(tree, (*base, "branch", i, "if"), exc.offset),
+                               f"node '{name}' case {i + 1}: {exc.message}")
+                        continue
+                if i in dead:
+                    report(pos(*base, "branch", i, field),
+                           f"node '{name}' case {i + 1} is unreachable: {dead[i]}")
+                check_node_ref(case.target, (*base, "branch", i,
+                                             "goto" if case.when is not None else "else"),
+                               f"node '{name}' case {i + 1} goes to")
+        if node.hours is not None:
+            _check_hours(name, node.hours, tree, base, report)
+            for field in ("open", "closed"):
+                check_node_ref(getattr(node.hours, field), (*base, "hours", field),
+                               f"node '{name}' goes when {field} to")
         if node.play is not None and base_dir is not None:
             wav = (base_dir / node.play).resolve()
             if not wav.is_file():
@@ -586,13 +952,7 @@ def _check_logic(
         if current in reachable:
             continue
         reachable.add(current)
-        node = nodes[current]
-        targets = [node.next]
-        if node.gather is not None:
-            targets += [*node.gather.branch.values(), node.gather.fallback]
-        if node.webhook is not None:
-            targets.append(node.webhook.on_error)
-        queue.extend(t for t in targets if t in nodes and t not in reachable)
+        queue.extend(t for t in script.successors(current) if t not in reachable)
     for name in nodes:
         if name not in reachable:
             report(_key_position(tree, ("nodes", name)),
@@ -605,6 +965,21 @@ def _check_logic(
             settable.add(node.gather.store)
         if node.webhook is not None:
             settable.update(node.webhook.sets)
+        settable.update(node.assign or {})
+    _check_languages(script, tree, report, voice_exists, speakers, languages, settable)
+    for name, node in nodes.items():
+        for i, case in enumerate(node.branch or []):
+            if case.when is None:
+                continue
+            try:
+                condition = compile_condition(case.when)
+            except ConditionError:
+                continue  # reported above
+            for variable, offset in condition.variables.items():
+                if variable not in settable:
+                    report(_text_position(tree, ("nodes", name, "branch", i, "if"), offset),
+                           f"node '{name}' case {i + 1} tests variable '{variable}', which "
+                           f"nothing sets ({_SETTERS})")
     for prompt_name, text in script.prompts.items():
         _check_sentence(text, pos("prompts", prompt_name), settable, report)
     used_prompts: set[str] = set()
@@ -617,6 +992,14 @@ def _check_logic(
                                "write a sentence, or define the prompt")
         else:
             _check_sentence(script.sentence(item), pos(*path), settable, report)
+        if isinstance(item, Sentence) and item.language is not None:
+            _check_language(item.language, _position(tree, (*path, "language")), languages,
+                            report)
+    for language, texts in script.translations.items():
+        for prompt_name, text in texts.items():
+            if prompt_name in script.prompts:
+                _check_sentence(text, pos("translations", language, prompt_name), settable,
+                                report)
     for prompt_name in script.prompts:
         if prompt_name not in used_prompts:
             report(_key_position(tree, ("prompts", prompt_name)),
@@ -627,6 +1010,149 @@ def _check_logic(
                 if variable not in settable:
                     report(pos("nodes", name, "webhook", "send"),
                            f"node '{name}' sends variable '{variable}', which nothing sets")
+
+
+def _check_language(language: str, where: tuple[int, int], languages: set[str],
+                    report: Callable[[tuple[int, int], str], None]) -> bool:
+    if language.lower() in {known.lower() for known in languages}:
+        return True
+    report(where, f"language '{language}' is not supported (one of: "
+                  f"{', '.join(sorted(languages))})")
+    return False
+
+
+def _check_languages(
+    script: Script,
+    tree: _Map,
+    report: Callable[[tuple[int, int], str], None],
+    voice_exists: Callable[[str], bool] | None,
+    speakers: set[str],
+    languages: set[str],
+    settable: set[str],
+) -> None:
+    """Languages and voices: what ``set``/``voice`` change, and what each sentence is spoken in
+    (a prompt needs a translation for every language a node may say it in)."""
+
+    def pos(*path: str | int) -> tuple[int, int]:
+        return _position(tree, path)
+
+    for name, node in script.nodes.items():
+        base = ("nodes", name)
+        for variable, value in (node.assign or {}).items():
+            where = pos(*base, "set", variable)
+            if not _NAME.match(variable):
+                report(_key_position(tree, (*base, "set", variable)),
+                       f"'{variable}' is not a variable name (letters, digits, underscore)")
+            elif variable in CALL_VARIABLES:
+                report(_key_position(tree, (*base, "set", variable)),
+                       f"node '{name}' sets '{variable}', which comes from the call and "
+                       "cannot be set")
+            elif variable == "language":
+                _check_language(value, where, languages, report)
+            else:
+                try:
+                    used = template_variables(value)
+                except ValueError as exc:
+                    report(where, str(exc))
+                    continue
+                for missing in [v for v in used if v not in settable]:
+                    report(where, f"variable '{{{missing}}}' is used but nothing sets it "
+                                  f"({_SETTERS})")
+        change = node.voice
+        if change is not None:
+            if change.speaker is not None and change.speaker.lower() not in speakers:
+                report(pos(*base, "voice", "speaker"),
+                       f"speaker '{change.speaker}' is not a built-in voice "
+                       f"(one of: {', '.join(sorted(speakers))})")
+            if (change.clone is not None and voice_exists is not None
+                    and not voice_exists(change.clone)):
+                report(pos(*base, "voice", "clone"),
+                       f"cloned voice '{change.clone}' is not registered: add it with "
+                       f"`gateway voices add {change.clone} REF.wav --text ...`")
+            if change.language is not None:
+                _check_language(change.language, pos(*base, "voice", "language"), languages,
+                                report)
+        if node.webhook is not None:
+            for variable in node.webhook.sets:
+                if variable in BUILTIN_VARIABLES:
+                    report(pos(*base, "webhook", "sets"),
+                           f"node '{name}' lets its webhook set '{variable}', which "
+                           + ("changes only with 'set: {language: ...}'" if variable ==
+                              "language" else "comes from the call"))
+
+    supported = {language.lower() for language in languages}
+    spoken: set[str] = set()
+    #: (language, prompt) pairs some node says.
+    said: set[tuple[str, str]] = set()
+    for language, texts in script.translations.items():
+        where = _key_position(tree, ("translations", language))
+        if not _check_language(language, where, languages, report):
+            continue
+        if language.lower() == script.voice.language.lower():
+            report(where, f"translations into {language}, the script's own language: its "
+                          "texts are the prompts themselves")
+        for prompt_name in texts:
+            if prompt_name not in script.prompts:
+                report(_key_position(tree, ("translations", language, prompt_name)),
+                       f"'{prompt_name}' translates no prompt (prompts: "
+                       f"{', '.join(sorted(script.prompts)) or 'none'})")
+
+    states = script.voice_states()
+    for path, item in _say_item_paths(script):
+        name = str(path[1])
+        voices = [script.spoken_voice(item, v) for v in states.get(name, [])]
+        # Unsupported languages are reported where they are set.
+        node_languages = list(dict.fromkeys(v.language for v in voices
+                                            if v.language.lower() in supported))
+        spoken.update(lang.lower() for lang in node_languages)
+        if script.is_prompt_ref(item):
+            assert isinstance(item, str)
+            for language in node_languages:
+                said.add((language.lower(), item))
+                if language.lower() == script.voice.language.lower():
+                    continue
+                if item not in script.translation(language):
+                    report(pos(*path), f"node '{name}' says prompt '{item}' in {language}, "
+                                       f"but translations.{language} has no '{item}'")
+        elif len(node_languages) > 1 and not (isinstance(item, Sentence) and item.language):
+            report(pos(*path), f"node '{name}' may speak {' or '.join(node_languages)}, but "
+                               "this sentence has one text: make it a prompt with "
+                               "translations, or give it a language")
+    for language, texts in script.translations.items():
+        if language.lower() not in supported or \
+                language.lower() == script.voice.language.lower():
+            continue
+        if language.lower() not in spoken:
+            report(_key_position(tree, ("translations", language)),
+                   f"translations into {language} are never used: no node speaks {language} "
+                   "(change the call's language with 'set: {language: ...}')")
+            continue
+        for prompt_name in texts:
+            if prompt_name in script.prompts and (language.lower(), prompt_name) not in said:
+                report(_key_position(tree, ("translations", language, prompt_name)),
+                       f"the {language} '{prompt_name}' is never said: no node says "
+                       f"'{prompt_name}' while the call speaks {language}")
+
+
+def _check_hours(name: str, hours: Hours, tree: _Map, base: tuple[str, ...],
+                 report: Callable[[tuple[int, int], str], None]) -> None:
+    try:
+        Schedule.compile(hours.timezone, hours.weekly, hours.holiday_hours())
+    except HoursError as exc:
+        where = _position(tree, (*base, "hours"))
+        if exc.key == hours.timezone:
+            where = _position(tree, (*base, "hours", "timezone"))
+        elif exc.key in hours.weekly:
+            where = _key_position(tree, (*base, "hours", "weekly", exc.key))
+        else:
+            for i, (day, _) in enumerate(hours.holiday_hours()):
+                if day.isoformat() == exc.key:
+                    where = _position(tree, (*base, "hours", "holidays", i))
+        report(where, f"node '{name}' hours: {exc.message}")
+
+
+#: How a variable gets a value, for messages about one that nothing sets.
+_SETTERS = "a gather's 'store', a webhook's 'sets', a node's 'set', or 'variables'"
 
 
 def _say_item_paths(script: Script) -> Iterator[tuple[tuple[str | int, ...], SayItem]]:
@@ -658,5 +1184,4 @@ def _check_sentence(
         return
     for variable in names:
         if variable not in settable:
-            report(where, f"variable '{{{variable}}}' is used but nothing sets it (a gather's "
-                          "'store', a webhook's 'sets', or 'variables')")
+            report(where, f"variable '{{{variable}}}' is used but nothing sets it ({_SETTERS})")

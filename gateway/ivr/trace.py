@@ -1,0 +1,99 @@
+"""What one call went through: the nodes it visited, what it heard, the keys, the webhooks.
+
+The IVR runner fills a :class:`CallTrace` as the call goes; at hang-up it is logged as one
+structured record (``ivr trace``; under ``GATEWAY_LOG_FORMAT=json`` a ``trace`` object in the
+line), so an author can see what a caller went through without reading interleaved log lines.
+``gateway prompts test`` checks the same trace against what a case expects.
+
+Times are seconds since the call was answered, on the runner's clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["CallTrace", "Heard", "KeyPress", "Visit", "WebhookCall"]
+
+
+@dataclass
+class Visit:
+    node: str
+    at: float
+
+
+@dataclass
+class Heard:
+    """A sentence the caller was played (rendered: variables filled in)."""
+
+    node: str
+    text: str
+    language: str
+    voice: str
+    at: float
+    cached: bool = False
+    #: The caller barged in before it finished.
+    interrupted: bool = False
+
+
+@dataclass
+class KeyPress:
+    node: str
+    key: str
+    at: float
+
+
+@dataclass
+class WebhookCall:
+    node: str
+    url: str
+    #: "ok", "timeout", "http 500", "not json", ...
+    result: str
+    ms: float
+    #: Names of the variables it set (values stay out of logs: they are the customer's data).
+    set: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CallTrace:
+    """The record of one call through a script."""
+
+    call_id: str
+    script: str
+    started_at: float
+    visits: list[Visit] = field(default_factory=list)
+    heard: list[Heard] = field(default_factory=list)
+    keys: list[KeyPress] = field(default_factory=list)
+    webhooks: list[WebhookCall] = field(default_factory=list)
+    #: (node, what it chose): a branch's case, "open"/"closed", a gather's answer kind.
+    choices: list[tuple[str, str]] = field(default_factory=list)
+    #: "transfer", "hangup", "caller hung up", "error"
+    outcome: str | None = None
+    #: The transfer target, when there is one.
+    target: str | None = None
+    ended_at: float | None = None
+    #: Called each time the runner starts waiting for the caller with nothing queued (the
+    #: script tester presses the next key then).
+    on_waiting: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def path(self) -> list[str]:
+        return [visit.node for visit in self.visits]
+
+    def to_record(self) -> dict[str, Any]:
+        """The trace as plain JSON-able data (the structured log record)."""
+        # Field by field: asdict() of the whole trace would deep-copy on_waiting's target (an
+        # asyncio.Event, its loop with it).
+        record: dict[str, Any] = {"call_id": self.call_id, "script": self.script,
+                                  "path": self.path}
+        for part in ("visits", "heard", "keys", "webhooks"):
+            record[part] = [asdict(entry) for entry in getattr(self, part)]
+        record["outcome"], record["target"] = self.outcome, self.target
+        record["choices"] = [{"node": n, "chose": c} for n, c in self.choices]
+        record["duration_s"] = (round(self.ended_at - self.started_at, 3)
+                                if self.ended_at is not None else None)
+        for part in ("visits", "heard", "keys"):
+            for entry in record[part]:
+                entry["at"] = round(entry["at"] - self.started_at, 3)
+        return record
