@@ -190,7 +190,12 @@ async def test_second_signal_stops_at_once(tiny_model_dir: Path, tmp_path: Path)
             assert gateway.proc is not None and gateway.proc.poll() is None  # draining
             t0 = time.monotonic()
             gateway.signal(signal.SIGTERM)
-            await asyncio.to_thread(gateway.wait_exit, 15)
+            code = await asyncio.to_thread(gateway.wait_exit, 15)
             stopped = time.monotonic() - t0
+            log = gateway.log()
     print(f"\nsecond SIGTERM: exited in {stopped:.2f} s")
     assert stopped < 8.0
+    # Stopped cleanly: the application's shutdown ran (uvicorn's force exit skipped it, and the
+    # cancelled lifespan logged a traceback).
+    assert code == 0 and "Traceback" not in log, log
+    assert "Application shutdown complete" in log, log
