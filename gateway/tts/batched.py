@@ -64,6 +64,7 @@ from gateway.tts.engine import BatchEngine, EngineRow, SpeechRequest, VoicePromp
 from gateway.tts.qwen import (
     DEFAULT_CHUNK_SCHEDULE,
     DEFAULT_MODEL,
+    OverSharedModel,
     QwenModel,
     _quiet_stdout,
     default_max_frames,
@@ -229,7 +230,7 @@ class _RowOutput:
         self.trimmer = LeadingSilenceTrimmer() if engine.trim_leading_silence else None
 
 
-class BatchedQwenEngine(BatchEngine):
+class BatchedQwenEngine(OverSharedModel, BatchEngine):
     """Streaming Qwen3-TTS for many turns at once on one device (see the module docstring).
 
     The engine is driven by one thread: :class:`~gateway.tts.batch_loop.BatchLoop` in the
@@ -309,22 +310,6 @@ class BatchedQwenEngine(BatchEngine):
     @property
     def name(self) -> str:
         return f"qwen3-tts {self.model_id} on {self.device} (batched, {self.max_rows} rows)"
-
-    @property
-    def fingerprint(self) -> str:
-        return self.shared.fingerprint
-
-    @property
-    def render_settings(self) -> str:
-        return self.shared.render_settings(self.codec_decode)
-
-    @property
-    def speakers(self) -> Sequence[str]:
-        return self.shared.speakers
-
-    @property
-    def languages(self) -> Sequence[str]:
-        return self.shared.languages
 
     @property
     def kv_bytes_per_row(self) -> int:

@@ -203,7 +203,32 @@ class QwenModel:
         return f"local:{digest.hexdigest()[:16]}"
 
 
-class QwenEngine(Engine):
+class OverSharedModel:
+    """What an engine over a :class:`QwenModel` reports of it (the slot and batched engines'
+    shared part of the Engine API): the model's identity, speakers and languages, and the
+    render settings of its audio (dtype and the engine's codec decode mode)."""
+
+    shared: QwenModel
+    codec_decode: str
+
+    @property
+    def fingerprint(self) -> str:
+        return self.shared.fingerprint
+
+    @property
+    def render_settings(self) -> str:
+        return self.shared.render_settings(self.codec_decode)
+
+    @property
+    def speakers(self) -> Sequence[str]:
+        return self.shared.speakers
+
+    @property
+    def languages(self) -> Sequence[str]:
+        return self.shared.languages
+
+
+class QwenEngine(OverSharedModel, Engine):
     """One engine slot: streaming Qwen3-TTS on CUDA graphs, or the same loop eager on CPU.
 
     ``model`` is a model id / directory (the slot loads its own weights) or a shared
@@ -248,22 +273,6 @@ class QwenEngine(Engine):
     @property
     def name(self) -> str:
         return f"qwen3-tts {self.model_id} on {self.device}"
-
-    @property
-    def fingerprint(self) -> str:
-        return self.shared.fingerprint
-
-    @property
-    def render_settings(self) -> str:
-        return self.shared.render_settings(self.codec_decode)
-
-    @property
-    def speakers(self) -> Sequence[str]:
-        return self.shared.speakers
-
-    @property
-    def languages(self) -> Sequence[str]:
-        return self.shared.languages
 
     def warmup(self, voices: Sequence[tuple[str, str] | VoicePrompt] = ()) -> None:
         """Capture CUDA graphs (GPU) / build static caches (CPU), then one generation per voice.
