@@ -22,6 +22,7 @@ Programming errors (building a header with CR/LF in it, a status outside 100-699
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import secrets
@@ -241,6 +242,9 @@ def _check_value(value: str, what: str) -> None:
 
 def _split_list(value: str) -> list[str]:
     """Split a comma-separated header value, keeping commas inside quotes and ``<...>``."""
+    if '"' not in value and "<" not in value:
+        # The common case (a Via, an Allow list, one bare URI): nothing can hide a comma.
+        return [part for raw in value.split(",") if (part := raw.strip(_WS))]
     parts: list[str] = []
     start = 0
     in_quote = in_angle = False
@@ -271,6 +275,16 @@ def _split_list(value: str) -> list[str]:
     return parts
 
 
+@functools.lru_cache(maxsize=1024)
+def _canonical(name: str) -> str:
+    # Cached: a message's dozen header names are looked up many times each, and the names
+    # that occur are few (a peer inventing new ones only churns this bounded cache).
+    lower = name.lower()
+    if len(lower) == 1:
+        return _COMPACT.get(lower, name)
+    return _CANONICAL.get(lower, name)
+
+
 class Headers:
     """Ordered, case-insensitive multi-map of SIP header fields (RFC 3261 7.3).
 
@@ -290,10 +304,7 @@ class Headers:
     @staticmethod
     def canonical(name: str) -> str:
         """The canonical spelling of a header name (compact forms expanded)."""
-        lower = name.lower()
-        if len(lower) == 1:
-            return _COMPACT.get(lower, name)
-        return _CANONICAL.get(lower, name)
+        return _canonical(name)
 
     def _append(self, name: str, value: str) -> None:
         # Parser fast path: the name is a token and the value is clean already.
