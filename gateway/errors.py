@@ -8,6 +8,15 @@ or protocol error maps to exactly one protocol outcome, so the I/O shells never 
     - :class:`ModelLoadError`: the TTS model could not be loaded (unknown id, hub unreachable,
       broken local directory); one line names the model and how to pass a local path.
     - :class:`EngineError`: a generation failed mid-utterance; the turn fails, the call lives.
+    - :class:`GrammarError`: a speech grammar the recogniser cannot use (a word missing from its
+      dictionary, an unsupported language, one phrase in two branches); found when a script is
+      validated, each problem located (:attr:`GrammarError.problems`).
+    - :class:`RecognizerError`: recognising one caller turn failed (a worker process died, the
+      decoder raised, no answer in time). The gather falls back to keys with a logged reason;
+      the call lives and no other call notices.
+        - :class:`RecognizerUnavailable`: no recogniser can take the turn (not started, closed,
+          or its worker process died and is being replaced).
+        - :class:`RecognizerTimeout`: the recogniser did not answer within the turn's deadline.
     - :class:`CallProtocolError`: a transport message that cannot be accepted. It closes *only
       the call it arrived on* with :attr:`CallProtocolError.close_code` and a logged reason.
         - :class:`MessageTooLarge`: over the size limit (WebSocket close 1009).
@@ -36,6 +45,31 @@ class ModelLoadError(GatewayError):
 
 class EngineError(GatewayError):
     """Speech generation failed for one request."""
+
+
+class GrammarError(GatewayError):
+    """A speech grammar the recogniser cannot use; ``problems`` lists each, in plain words."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+    def __reduce__(self) -> tuple[type[GrammarError], tuple[list[str]]]:
+        # Crosses from recogniser worker processes; the default would rebuild from the joined
+        # message and lose the list.
+        return (type(self), (self.problems,))
+
+
+class RecognizerError(GatewayError):
+    """Recognising one caller turn failed; the gather falls back to keys (logged)."""
+
+
+class RecognizerUnavailable(RecognizerError):
+    """No recogniser can take the turn: not started, closed, or a worker died."""
+
+
+class RecognizerTimeout(RecognizerError):
+    """The recogniser did not answer within the turn's deadline."""
 
 
 class CallProtocolError(GatewayError):
