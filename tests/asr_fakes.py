@@ -1,0 +1,60 @@
+"""Recognisers that fail on purpose, for tests/test_asr_pool.py.
+
+They run inside RecognizerPool's spawned worker processes, so they live in an importable
+module (the workers inherit the test run's sys.path) and are built from picklable factories.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+import numpy.typing as npt
+
+from gateway.asr.base import MatchStatus, RecognitionResult, UnknownWord
+from gateway.asr.grammar import SpeechGrammar
+from gateway.errors import RecognizerError
+
+
+class _Base:
+    name = "fake"
+    languages = frozenset({"en"})
+
+    def unknown_words(self, phrases: Iterable[str]) -> list[UnknownWord]:
+        return []
+
+    def prepare(self, grammar: SpeechGrammar) -> None:
+        return None
+
+
+class Echo(_Base):
+    """Answers at once: MATCH on the first branch; the digits field carries the sample count."""
+
+    def recognize(self, pcm: npt.NDArray[np.int16], grammar: SpeechGrammar) -> RecognitionResult:
+        return RecognitionResult(MatchStatus.MATCH, branch=grammar.branches[0][0],
+                                 digits=str(len(pcm)), audio_s=len(pcm) / 8000)
+
+
+DIE, RAISE, WEDGE = 1, 2, 3
+"""Sample values that make :class:`Flaky` fail: audio made only of one of them."""
+
+
+class Flaky(Echo):
+    """Fails on cue, as real decoders do: constant audio of DIE kills the worker process (as a
+    segfault or the OOM killer would), RAISE raises RecognizerError, WEDGE never answers."""
+
+    def recognize(self, pcm: npt.NDArray[np.int16], grammar: SpeechGrammar) -> RecognitionResult:
+        cue = int(pcm[0]) if len(pcm) and not (pcm - pcm[0]).any() else 0
+        if cue == DIE:
+            os._exit(70)
+        if cue == RAISE:
+            raise RecognizerError("decoder failed on this turn")
+        if cue == WEDGE:
+            threading.Event().wait(60)
+        return super().recognize(pcm, grammar)
+
+
+def cannot_load() -> Echo:
+    raise RuntimeError("no model here")
