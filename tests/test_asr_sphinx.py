@@ -137,6 +137,19 @@ def test_same_audio_same_result_whatever_came_before(asr: PocketSphinxRecognizer
     assert first.branch == "billing"
 
 
+def test_grammars_sharing_a_multi_word_phrase_both_compile_and_recognise_it(
+    asr: PocketSphinxRecognizer,
+) -> None:
+    # The open pass makes "technical support" one dictionary word; a second grammar with the
+    # same phrase (another gather) must reuse it, not fail to add it again.
+    other = SpeechGrammar.build({"help": ["technical support", "help desk"]})
+    asr.prepare(MENU)
+    asr.prepare(other)
+    pcm = _caller("technical support", SLT)
+    assert asr.recognize(pcm, other).branch == "help"
+    assert asr.recognize(pcm, MENU).branch == "support"
+
+
 def test_encodings_decode_to_the_same_pcm() -> None:
     pcm = _caller("agent", SLT)
     assert np.array_equal(to_pcm16(pcm.tobytes(), "l16"), pcm)
