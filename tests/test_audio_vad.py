@@ -213,6 +213,34 @@ def test_a_pause_shorter_than_min_silence_is_one_turn() -> None:
     assert len(_run(det, x)) == 1
 
 
+def test_a_pause_starts_where_the_speech_stops_and_ends_when_it_resumes() -> None:
+    first, second = _say("I'd like to check"), _say("my balance")
+    x = np.concatenate([_silence(1.0), first, _silence(0.6), second, _silence(1.0)])
+    end_first = 1.0 + len(first) / RATE
+    end_second = end_first + 0.6 + len(second) / RATE
+    det = SpeechStartDetector(min_silence_ms=300)
+    ends: list[tuple[float, float]] = []  # (frame end where the turn ended, its pause start)
+    resumed = 0
+    for i, frame in enumerate(_frames(_ulaw(x))):
+        before, speaking = det.pause_start, det.speaking
+        if det.push(frame):
+            assert det.pause_start is None
+        if before is not None and det.pause_start is None and det.speaking:
+            resumed += 1  # a dip inside a word: the pause ended when the speech came back
+        if speaking and not det.speaking:
+            assert det.pause_start is not None
+            ends.append(((i + 1) * FRAME / RATE, det.pause_start / RATE))
+    assert det.events == 2
+    assert len(ends) == 2, ends
+    for (seen, start), end in zip(ends, (end_first, end_second), strict=True):
+        # Silero's probability lags the audio by one to three windows (module docstring).
+        assert end - 0.05 <= start <= end + 0.15, (start, end)
+        assert start + 0.3 <= seen <= start + 0.3 + 2 * WINDOW_S
+    print(f"\npauses that resumed inside the speech: {resumed}")
+    # The turn is over, but when the caller stopped talking stays known.
+    assert not det.speaking and det.pause_start is not None
+
+
 def test_reset_clears_state() -> None:
     x = np.concatenate([_silence(0.5), _say("I'd like to check my balance"), _silence(0.2)])
     det = SpeechStartDetector()
@@ -225,6 +253,7 @@ def test_reset_clears_state() -> None:
     assert det.samples == 0
     assert det.probability == 0.0
     assert det.last_event_sample is None
+    assert det.pause_start is None
     # Nothing survives a reset: model state, context, noise floor, run and silence counters.
     assert _run(det, x) == first
     det.reset()

@@ -24,7 +24,11 @@ The per-window probability becomes one event per caller turn:
 * the run becomes a speech start once its audible windows add up to ``min_speech_ms`` (rounded
   up to whole 32 ms windows), so a click, a noise burst or an "mm-hm" does not cut the prompt;
 * after that the detector is :attr:`~SpeechStartDetector.speaking` until windows below
-  ``threshold - 0.15`` have lasted ``min_silence_ms``, and only then can the next start fire.
+  ``threshold - 0.15`` have lasted ``min_silence_ms``, and only then can the next start fire;
+* a pause inside a turn starts at the first such window (:attr:`~SpeechStartDetector.pause_start`,
+  which a speech gather's end-of-turn timing counts from) and ends at the next window back at or
+  above ``threshold``. After ``min_silence_ms`` the turn is over; the pause start stays until
+  the next speech start, since it is when the caller stopped talking.
 
 All of this is synchronous CPU work with per-call state (STYLE.md rules 1 and 6): about 0.17 ms
 per 32 ms window on one core (0.11 ms per 20 ms frame on average, 0.35 ms at the 99th
@@ -171,6 +175,7 @@ class SpeechStartDetector:
         "_x",
         "events",
         "last_event_sample",
+        "pause_start",
         "probability",
         "samples",
     )
@@ -225,6 +230,9 @@ class SpeechStartDetector:
         self.samples = 0
         #: Sample count (as in :attr:`samples`) at which the latest speech start completed.
         self.last_event_sample: int | None = None
+        #: Sample count at which the caller's current pause began: the first window below
+        #: ``threshold - 0.15`` after a speech start (None while they speak, and before any).
+        self.pause_start: int | None = None
 
     @property
     def speaking(self) -> bool:
@@ -251,6 +259,7 @@ class SpeechStartDetector:
         self.probability = 0.0
         self.samples = 0
         self.last_event_sample = None
+        self.pause_start = None
 
     def push(self, frame: bytes | bytearray | memoryview) -> bool:
         """Feed inbound G.711 audio in the detector's codec (normally one 160-byte 20 ms frame;
@@ -278,12 +287,13 @@ class SpeechStartDetector:
             )
             self._fill += take
             pos += take
-            if self._fill == self._window and self._step():
+            if self._fill == self._window and self._step(base + pos):
                 started = True
                 self.last_event_sample = base + pos
         return started
 
-    def _step(self) -> bool:
+    def _step(self, end: int) -> bool:
+        """One model window ending at sample ``end``; True when it completed a speech start."""
         out, state = self._session.run(None, self._feeds)
         self._feeds["state"] = state
         window = self._x[0, self._context :]
@@ -307,6 +317,7 @@ class SpeechStartDetector:
                         self._run = 0
                         self._silence = 0
                         self.events += 1
+                        self.pause_start = None
                         return True
             else:
                 self._in_run = False
@@ -316,7 +327,10 @@ class SpeechStartDetector:
         # negative threshold and is only cancelled by a window back at or above ``threshold``.
         if p >= self._threshold:
             self._silence = 0
+            self.pause_start = None
         elif p < self._neg_threshold or self._silence:
+            if not self._silence:
+                self.pause_start = end - self._window
             self._silence += self._window
             if self._silence >= self._min_silence:
                 self._speaking = False
