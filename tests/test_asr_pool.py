@@ -54,8 +54,34 @@ async def test_session_without_speech_start_is_no_speech_and_decodes_nothing() -
     assert rec.calls == []
     with pytest.raises(RuntimeError):
         await s.finish()
-    with pytest.raises(RuntimeError):
-        s.feed(b"\xff" * FRAME)
+    # A frame that arrives after the gather stopped listening is dropped, never an error on
+    # the call's frame path.
+    assert s.feed(b"\xff" * FRAME) is False
+    assert s.audio_s == 0
+
+
+async def test_session_follows_pauses_and_recognises_the_audio_so_far() -> None:
+    rec = _Captured()
+    s = SpeechSession(rec, MENU)
+    assert (await s.recognize()).status is MatchStatus.NO_SPEECH and rec.calls == []
+    s.speech_paused(0.5)  # a pause before any speech is not the caller's
+    assert s.paused_at is None and s.pauses == 0
+    s.speech_started(1.0)
+    for _ in range(10):
+        s.feed(b"\x01" * FRAME)
+    s.speech_paused(1.2)
+    assert (s.started_at, s.paused_at, s.pauses) == (1.0, 1.2, 1)
+    first = await s.recognize()
+    assert first.matched and len(rec.calls[0]) == 10 * FRAME
+    s.speech_resumed(1.3)
+    assert s.paused_at is None
+    s.feed(b"\x01" * FRAME)
+    s.speech_paused(1.5)
+    s.speech_started(2.0)  # speaking again after the detector's turn had ended
+    assert (s.started_at, s.paused_at, s.pauses) == (1.0, None, 2)
+    await s.finish()
+    assert len(rec.calls[1]) == 11 * FRAME
+    s.close()
 
 
 async def test_session_keeps_the_pre_roll_then_speech_up_to_the_cap() -> None:

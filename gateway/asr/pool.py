@@ -114,6 +114,11 @@ class RecognizerPool:
         """Turns submitted and not yet answered."""
         return self._pending
 
+    @property
+    def running(self) -> bool:
+        """True while workers are up to take turns (False: starting, restarting, closed)."""
+        return self._executor is not None and not self._closed
+
     def _new_executor(self) -> concurrent.futures.ProcessPoolExecutor:
         return concurrent.futures.ProcessPoolExecutor(
             max_workers=self._workers,
@@ -252,15 +257,21 @@ def _kill(executor: concurrent.futures.ProcessPoolExecutor, wait: bool = True) -
 
 
 class SpeechSession:
-    """One caller turn's audio while a speech gather listens; sans-I/O until :meth:`finish`.
+    """One caller turn's audio while a speech gather listens; sans-I/O until it recognises.
 
-    Not thread-safe: feed it from the call's task. With ``vad_gated`` (the default) it keeps
-    only the last :data:`PRE_ROLL_S` of audio until :meth:`speech_started`, then up to
-    ``max_speech_s`` more; without, it keeps everything from the first frame, up to the cap.
+    It is the :class:`~gateway.call.session.InboundListener` a call feeds while the gather
+    listens (:meth:`Call.listen <gateway.call.session.Call.listen>`): every inbound frame, and
+    the detector's speech start, pauses and resumes, in step with the audio. Not thread-safe:
+    feed it from the call's task. With ``vad_gated`` (the default) it keeps only the last
+    :data:`PRE_ROLL_S` of audio until :meth:`speech_started`, then up to ``max_speech_s`` more;
+    without, it keeps everything from the first frame, up to the cap.
+
+    :meth:`recognize` recognises what was heard so far (a speech gather does at each pause, to
+    know whether the caller said something complete); :meth:`finish` does it one last time.
     """
 
     __slots__ = ("_bps", "_buf", "_encoding", "_finished", "_grammar", "_limit", "_pre_roll",
-                 "_recognize", "_started", "dropped_s")
+                 "_recognize", "_started", "dropped_s", "paused_at", "pauses", "started_at")
 
     def __init__(
         self,
@@ -290,6 +301,12 @@ class SpeechSession:
         self._buf = bytearray()
         #: Seconds of audio dropped at the front (before the pre-roll) or past the cap.
         self.dropped_s = 0.0
+        #: When speech started (the call's clock; None before, or without VAD gating).
+        self.started_at: float | None = None
+        #: When the caller's current pause began (None while they speak, or before speech).
+        self.paused_at: float | None = None
+        #: Pauses so far: a result recognised during pause ``n`` is current while this is n.
+        self.pauses = 0
 
     @property
     def grammar(self) -> SpeechGrammar:
@@ -312,9 +329,13 @@ class SpeechSession:
         return len(self._buf) / self._bps / RATE
 
     def feed(self, frame: bytes | bytearray | memoryview) -> bool:
-        """Append inbound audio (one 20 ms frame, or any length). False once :attr:`full`."""
+        """Append inbound audio (one 20 ms frame, or any length). False once :attr:`full`.
+
+        After :meth:`finish` it is a no-op: the call's frame path must never fail because a
+        gather stopped listening a frame late.
+        """
         if self._finished:
-            raise RuntimeError("this speech session has finished")
+            return False
         buf = self._buf
         if not self._started:
             buf += frame
@@ -330,24 +351,59 @@ class SpeechSession:
         buf += frame
         return len(buf) < self._limit
 
-    def speech_started(self) -> None:
-        """The VAD heard speech start: keep the pre-roll and everything that follows."""
+    def speech_started(self, at: float | None = None) -> None:
+        """The VAD heard speech start (again: the caller resumed after a long pause): keep the
+        pre-roll and everything that follows."""
         self._started = True
+        if self.started_at is None:
+            self.started_at = at
+        self.paused_at = None
+
+    def speech_paused(self, at: float) -> None:
+        """The caller stopped speaking at ``at`` (maybe only for a breath)."""
+        if self._started:
+            self.paused_at = at
+            self.pauses += 1
+
+    def speech_resumed(self, at: float) -> None:
+        """The caller is speaking again after a pause."""
+        self.paused_at = None
+
+    def audio(self) -> npt.NDArray[np.int16]:
+        """The turn's audio so far as 8 kHz int16 (RecognizerError for malformed l16)."""
+        try:
+            return to_pcm16(bytes(self._buf), self._encoding)
+        except ValueError as exc:
+            raise RecognizerError(f"bad audio for recognition: {exc}") from exc
+
+    async def recognize(self) -> RecognitionResult:
+        """Recognise the audio so far (off the loop); the session keeps listening.
+
+        NO_SPEECH without decoding if speech never started; RecognizerError on failure.
+        """
+        if not self._started:
+            return RecognitionResult(MatchStatus.NO_SPEECH, reason="the caller did not speak")
+        result: RecognitionResult = await self._recognize(self.audio(), self._grammar)
+        return result
 
     async def finish(self) -> RecognitionResult:
-        """Recognise the turn (off the loop). NO_SPEECH without decoding if speech never started.
+        """Stop listening and recognise the whole turn (off the loop).
 
-        Raises :class:`RecognizerError` when recognition fails; call it once.
+        NO_SPEECH without decoding if speech never started; raises :class:`RecognizerError`
+        when recognition fails; call it once.
         """
         if self._finished:
             raise RuntimeError("this speech session has finished")
         self._finished = True
         if not self._started:
+            self._buf = bytearray()
             return RecognitionResult(MatchStatus.NO_SPEECH, reason="the caller did not speak")
-        try:
-            pcm = to_pcm16(bytes(self._buf), self._encoding)
-        except ValueError as exc:
-            raise RecognizerError(f"bad audio for recognition: {exc}") from exc
+        pcm = self.audio()
         self._buf = bytearray()
         result: RecognitionResult = await self._recognize(pcm, self._grammar)
         return result
+
+    def close(self) -> None:
+        """Stop listening without recognising (keys won, the call ended)."""
+        self._finished = True
+        self._buf = bytearray()

@@ -1,8 +1,8 @@
 """The transport-agnostic call and its one lifecycle (see DESIGN.md, "gateway/call").
 
 - :mod:`gateway.call.events`: inbound events (:class:`Dtmf`, :class:`PlaybackDone`,
-  :class:`SpeechStarted`, :class:`SpeechFailed`, :class:`Hangup`) and outcomes
-  (:class:`TransferTo`, :class:`HangUp`).
+  :class:`SpeechStarted`, :class:`SpeechPaused`, :class:`SpeechFailed`, :class:`Hangup`) and
+  outcomes (:class:`TransferTo`, :class:`HangUp`).
 - :mod:`gateway.call.session`: :class:`Call`, the media session a dialog talks to, and the
   :class:`CallTransport` protocol a transport adapter implements.
 - :mod:`gateway.call.playout`: pacing and backpressure of outbound frames, per
@@ -24,6 +24,7 @@ from gateway.call.events import (
     Hangup,
     PlaybackDone,
     SpeechFailed,
+    SpeechPaused,
     SpeechStarted,
     TransferTo,
 )
@@ -36,6 +37,7 @@ from gateway.call.session import (
     Call,
     CallTransport,
     Dialog,
+    InboundListener,
     SpeechDetector,
     StreamOpener,
     Utterance,
@@ -59,12 +61,14 @@ __all__ = [
     "HangUp",
     "Hangup",
     "InactivityWatch",
+    "InboundListener",
     "PlaybackDone",
     "Playout",
     "PlayoutPolicy",
     "Refusal",
     "SpeechDetector",
     "SpeechFailed",
+    "SpeechPaused",
     "SpeechStarted",
     "StreamOpener",
     "TransferTo",

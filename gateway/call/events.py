@@ -21,6 +21,7 @@ __all__ = [
     "Hangup",
     "PlaybackDone",
     "SpeechFailed",
+    "SpeechPaused",
     "SpeechStarted",
     "TransferTo",
 ]
@@ -52,6 +53,20 @@ class SpeechStarted:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeechPaused:
+    """The caller stopped speaking, maybe for good: the detector heard a pause begin.
+
+    ``since`` is when the pause began (``at`` is when it was heard, a window or two later): a
+    speech gather that then decides the caller's turn is over measures their turn from
+    ``since``, the end of their speech. Sent only while a listener is attached
+    (:meth:`Call.listen <gateway.call.session.Call.listen>`).
+    """
+
+    since: float
+    at: float = field(kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
 class SpeechFailed:
     """An utterance could not be generated (engine error); the dialog decides what to say."""
 
@@ -68,7 +83,7 @@ class Hangup:
     at: float = field(kw_only=True)
 
 
-CallEvent = Dtmf | PlaybackDone | SpeechStarted | SpeechFailed | Hangup
+CallEvent = Dtmf | PlaybackDone | SpeechStarted | SpeechPaused | SpeechFailed | Hangup
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,10 @@ the call. Everything between is here, written once:
 - **Events** for the dialog (:attr:`Call.events`), stamped with the injected clock.
 - **The speech-detector feed**: inbound G.711 is decoded once, per codec, by the call's
   :class:`~gateway.audio.vad.SpeechStartDetector`; a detected start is a :class:`SpeechStarted`.
+- **Listening** (:meth:`Call.listen`): while a speech gather listens, every inbound frame also
+  goes to its :class:`InboundListener` (the turn's audio for the recogniser), told in step
+  with the audio when the detector hears speech start, pause and resume; a pause is also a
+  :class:`SpeechPaused` for the dialog. Nothing is buffered when nobody listens.
 - **Inactivity**: :class:`~gateway.call.inactivity.InactivityWatch` on every inbound packet.
 - **Speaking**: the dialog hands the call audio, a speech stream to :meth:`Call.speak` (24 kHz
   float chunks from the speech service) or 8 kHz PCM to :meth:`Call.play` (a cached prompt, a
@@ -49,6 +53,7 @@ from gateway.call.events import (
     Hangup,
     PlaybackDone,
     SpeechFailed,
+    SpeechPaused,
     SpeechStarted,
 )
 from gateway.call.inactivity import InactivityWatch
@@ -59,11 +64,15 @@ from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+#: Inbound audio is 8 kHz G.711 on every transport.
+_RATE = 8000
+
 __all__ = [
     "AudioStream",
     "Call",
     "CallTransport",
     "Dialog",
+    "InboundListener",
     "SpeechDetector",
     "StreamOpener",
     "Utterance",
@@ -101,7 +110,31 @@ StreamOpener = Callable[["Utterance"], AudioStream]
 class SpeechDetector(Protocol):
     """Caller speech onsets from inbound G.711 frames (:class:`gateway.audio.vad`)."""
 
+    @property
+    def speaking(self) -> bool:
+        """True from a speech start until the turn's silence has lasted long enough."""
+        ...
+
+    #: Samples consumed so far.
+    samples: int
+    #: Sample at which the caller's current pause began (None while they speak).
+    pause_start: int | None
+
     def push(self, frame: bytes | bytearray | memoryview) -> bool: ...
+
+
+class InboundListener(Protocol):
+    """Takes a call's inbound audio while a speech gather listens (a
+    :class:`~gateway.asr.pool.SpeechSession`). Called on the call's task, frame by frame;
+    times are on the call's clock."""
+
+    def feed(self, frame: bytes | bytearray | memoryview) -> object: ...
+
+    def speech_started(self, at: float) -> None: ...
+
+    def speech_paused(self, at: float) -> None: ...
+
+    def speech_resumed(self, at: float) -> None: ...
 
 
 @dataclass(eq=False)
@@ -202,6 +235,7 @@ class Call:
         self._detector = detector
         #: Feed caller audio to the speech detector (off: nothing interruptible is playing).
         self.listening = detector is not None
+        self._listener: InboundListener | None = None
         if watch is None:
             watch = InactivityWatch(clock, inactivity_s, transport=transport_name,
                                     metrics=metrics, on_expired=self._inactive, label=call_id)
@@ -253,8 +287,49 @@ class Call:
             now = self.clock.now()
         self.inactivity.touch(now)
         detector = self._detector
-        if detector is not None and self.listening and detector.push(payload):
+        listener = self._listener
+        if listener is not None:
+            listener.feed(payload)
+            if detector is not None and self.listening:
+                self._turn(detector, listener, payload, now)
+        elif detector is not None and self.listening and detector.push(payload):
             self.deliver(SpeechStarted(at=now))
+
+    def _turn(self, detector: SpeechDetector, listener: InboundListener,
+              payload: bytes | bytearray | memoryview, now: float) -> None:
+        """The detector's view of the caller's turn, told to the listener as it happens."""
+        before = detector.pause_start
+        if detector.push(payload):
+            listener.speech_started(now)
+            self.deliver(SpeechStarted(at=now))
+            return
+        pause = detector.pause_start
+        if pause is not None and pause != before:
+            since = now - (detector.samples - pause) / _RATE
+            listener.speech_paused(since)
+            self.deliver(SpeechPaused(since, at=now))
+        elif pause is None and before is not None:
+            listener.speech_resumed(now)
+
+    @property
+    def listener(self) -> InboundListener | None:
+        """Who takes inbound audio now (:meth:`listen`), if anyone."""
+        return self._listener
+
+    def listen(self, listener: InboundListener | None) -> None:
+        """Give inbound audio to ``listener`` from now on (None: stop).
+
+        A caller already speaking when listening starts (talking over a prompt that could not
+        be interrupted) starts the listener's turn at once: what they said before is lost, but
+        the turn is not missed.
+        """
+        self._listener = listener
+        detector = self._detector
+        if listener is not None and detector is not None and self.listening \
+                and detector.speaking:
+            listener.speech_started(self.clock.now())
+            if detector.pause_start is not None:
+                listener.speech_paused(self.clock.now())
 
     def dtmf(self, digit: str, now: float | None = None) -> None:
         """A key the caller pressed (Twilio ``dtmf``, RFC 4733 telephone-event)."""
@@ -388,6 +463,7 @@ class Call:
     async def close(self) -> None:
         """Stop all work for this call (hang-up or socket gone)."""
         self.ended = True
+        self._listener = None
         self.inactivity.cancel()
         try:
             await self._stop_utterance()
