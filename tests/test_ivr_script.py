@@ -209,3 +209,90 @@ def test_the_gateway_refuses_a_script_in_a_language_its_model_does_not_speak(
         pass
     assert "preparing the IVR script failed: the script speaks Spanish, which" in str(info.value)
     assert "does not (it speaks English)" in str(info.value)
+
+
+# --- speech gathers -----------------------------------------------------------------------
+
+SPEECH_HEAD = "name: t\nvoice: {speaker: ryan, language: English}\nstart: menu\nerror: bye\n"
+SPEECH_TAIL = "  bye: {say: Bye., hangup: true}\n  agent: {say: Hold on., hangup: true}\n"
+
+
+def test_speech_phrases_become_a_grammar_and_edges() -> None:
+    text = SPEECH_HEAD + (
+        "nodes:\n"
+        "  menu:\n"
+        "    gather:\n"
+        "      prompt: Say agent or press 2.\n"
+        "      digits: 1\n"
+        "      branch: {'2': agent}\n"
+        "      speech: {agent: [Agent, 'Customer-Service!'], bye: goodbye}\n"
+    ) + SPEECH_TAIL
+    script = parse_script(text, "t.yaml")
+    grammar = script.speech_grammar("menu")
+    assert grammar is not None and grammar.language == "en"
+    assert dict(grammar.phrases) == {("agent",): ("agent", "Agent"),
+                                     ("customer", "service"): ("agent", "Customer-Service!"),
+                                     ("goodbye",): ("bye", "goodbye")}
+    assert script.speech_grammar("menu") is grammar  # built once
+    edges = [(e.target, e.kind, e.label) for e in script.nodes["menu"].edges()]
+    assert ("agent", "speech", '"Agent" / "Customer-Service!"') in edges
+    assert ("bye", "speech", '"goodbye"') in edges
+    assert script.speech_gathers() == ["menu"]
+    # A node reached only by speech is reachable.
+    assert "bye" in script.successors("menu")
+
+
+def test_speech_digits_fill_the_store_and_need_a_length() -> None:
+    gather = ("nodes:\n  menu:\n    gather:\n      prompt: Say your number.\n"
+              "      terminator: '#'\n      speech: digits\n      branch: {default: agent}\n")
+    assert _errors(SPEECH_HEAD + gather + SPEECH_TAIL) == [
+        "t.yaml:8:7: nodes.menu.gather: 'speech: digits' needs 'digits': how many digits the "
+        "caller says"]
+    fixed = gather.replace("terminator: '#'", "digits: 6")
+    script = parse_script(SPEECH_HEAD + fixed + SPEECH_TAIL, "t.yaml")
+    grammar = script.speech_grammar("menu")
+    assert grammar is not None and grammar.digits == 6 and not grammar.phrases
+
+
+def test_speech_shape_errors() -> None:
+    base = SPEECH_HEAD + ("nodes:\n  menu:\n    gather:\n      prompt: Say it.\n"
+                          "      digits: 1\n      branch: {'2': agent}\n")
+    assert _errors(base + "      speech: [agent]\n" + SPEECH_TAIL) == [
+        "t.yaml:11:15: nodes.menu.gather.speech: 'speech' is the phrases that choose each node "
+        "({agent: [agent, representative]}) or 'digits' (the digit string said aloud)"]
+    assert _errors(base + "      speech: {agent: []}\n" + SPEECH_TAIL) == [
+        "t.yaml:11:15: nodes.menu.gather.speech: speech for 'agent' must be a phrase or a list "
+        "of phrases"]
+    assert _errors(base + "      speech_language: English\n" + SPEECH_TAIL) == [
+        "t.yaml:8:7: nodes.menu.gather: 'speech_language' without 'speech' means nothing"]
+
+
+def test_a_speech_gather_is_checked_against_the_configured_recognisers_vocabulary() -> None:
+    from gateway.asr.base import UnknownWord
+
+    class Klingon:
+        languages = frozenset({"tlh"})
+
+        def unknown_words(self, phrases: object) -> list[UnknownWord]:
+            return [UnknownWord("qapla", "qapla", 0)]
+
+    text = SPEECH_HEAD.replace("English", "Spanish") + (
+        "nodes:\n  menu:\n    gather:\n      prompt: Diga agente.\n      digits: 1\n"
+        "      speech: {agent: agente}\n"
+    ) + SPEECH_TAIL
+    # The built-in recogniser knows English only: a Spanish speech gather is an error...
+    assert _errors(text) == [
+        "t.yaml:10:7: node 'menu' listens for speech in Spanish, which the speech recogniser "
+        "does not know (it knows English): a speech gather in Spanish needs a recogniser "
+        "configured for it"]
+    # ...unless the phrases are said in English (the Spanish menu then takes keys only)...
+    english = text.replace("speech: {agent: agente}", "speech: {agent: agent}\n"
+                           "      speech_language: English")
+    assert parse_script(english, "t.yaml").speech_grammar("menu") is not None
+    # ...and another recogniser's own languages and dictionary decide.
+    errors = _errors(text.replace("Spanish", "Klingon").replace("language: Klingon",
+                                                                 "language: English"),
+                     vocabulary=Klingon())
+    assert errors == ["t.yaml:10:7: node 'menu' listens for speech in English, which the speech "
+                      "recogniser does not know (it knows tlh): a speech gather in English needs "
+                      "a recogniser configured for it"]

@@ -30,6 +30,7 @@ __all__ = [
     "RecognitionResult",
     "Recognizer",
     "UnknownWord",
+    "Vocabulary",
     "to_pcm16",
 ]
 
@@ -116,6 +117,19 @@ class UnknownWord:
     def __str__(self) -> str:
         hint = f" ({self.hint})" if self.hint else ""
         return f'"{self.word}" is not in the recogniser\'s dictionary{hint}'
+
+
+class Vocabulary(Protocol):
+    """What script validation asks of a recogniser, without loading its decoder."""
+
+    @property
+    def languages(self) -> frozenset[str]:
+        """Primary language subtags it recognises (``{"en"}``)."""
+        ...
+
+    def unknown_words(self, phrases: Iterable[str]) -> list[UnknownWord]:
+        """Words of ``phrases`` it cannot recognise (empty when all are known)."""
+        ...
 
 
 @runtime_checkable

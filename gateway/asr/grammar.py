@@ -36,6 +36,7 @@ __all__ = [
     "SpeechGrammar",
     "Token",
     "language_code",
+    "language_name",
     "match",
     "phrase_words",
     "tokenize",
@@ -98,6 +99,14 @@ def language_code(language: str) -> str | None:
         return _NAMES[value]
     primary = value.split("-", 1)[0]
     return primary if re.fullmatch(r"[a-z]{2,3}", primary) else None
+
+
+def language_name(code: str) -> str:
+    """``"en"`` -> ``"English"`` (the script's spelling); other codes as they are."""
+    for name, known in _NAMES.items():
+        if known == code:
+            return name.capitalize()
+    return code
 
 
 @dataclass(frozen=True)

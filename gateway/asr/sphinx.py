@@ -185,6 +185,22 @@ def check_grammar(grammar: SpeechGrammar) -> list[str]:
     return problems
 
 
+class BuiltinVocabulary:
+    """The built-in recogniser's languages and dictionary, for script validation (reads the
+    wheel's dictionary once; loads no decoder)."""
+
+    @property
+    def languages(self) -> frozenset[str]:
+        return LANGUAGES
+
+    def unknown_words(self, phrases: Iterable[str]) -> list[UnknownWord]:
+        return unknown_words(phrases)
+
+
+VOCABULARY: Final = BuiltinVocabulary()
+"""What :func:`gateway.ivr.script.load_script` checks speech gathers against by default."""
+
+
 @functools.cache
 def _general_unigrams() -> tuple[tuple[str, float], ...]:
     """Dictionary words by frequency in the bundled general language model: (word, ln p)."""

@@ -47,12 +47,15 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from gateway.errors import GatewayError
+from gateway.asr.base import Vocabulary
+from gateway.asr.grammar import SpeechGrammar, language_code, language_name
+from gateway.errors import GatewayError, GrammarError
 from gateway.ivr.conditions import Condition, ConditionError, compile_condition
 from gateway.ivr.hours import HoursError, Schedule
 
@@ -124,6 +127,8 @@ class _Seq(list[Any]):
     """A YAML sequence that remembers where each item is."""
 
     item_pos: list[tuple[int, int]]
+    #: YAML scalar style of each item (as :attr:`_Map.value_style`).
+    item_style: list[str | None]
     pos: tuple[int, int]
 
 
@@ -160,6 +165,8 @@ def _construct_map(loader: _Loader, node: yaml.MappingNode) -> _Map:
 def _construct_seq(loader: _Loader, node: yaml.SequenceNode) -> _Seq:
     result = _Seq(loader.construct_object(child, deep=True) for child in node.value)
     result.item_pos, result.pos = [_mark(child) for child in node.value], _mark(node)
+    result.item_style = [child.style if isinstance(child, yaml.ScalarNode) else None
+                         for child in node.value]
     return result
 
 
@@ -198,8 +205,11 @@ def _text_position(tree: Any, path: Iterable[str | int], offset: int) -> tuple[i
             except (KeyError, IndexError, TypeError):
                 return line, column
     last = parts[-1] if parts else None
-    style = parent.value_style.get(last) if isinstance(parent, _Map) and isinstance(last, str) \
-        else None
+    style = None
+    if isinstance(parent, _Map) and isinstance(last, str):
+        style = parent.value_style.get(last)
+    elif isinstance(parent, _Seq) and isinstance(last, int) and 0 <= last < len(parent):
+        style = parent.item_style[last]
     if style in ("|", ">"):
         return line + 1, column
     return line, column + offset + (1 if style in ('"', "'") else 0)
@@ -311,8 +321,31 @@ def _set_values(value: Any) -> Any:
     return out
 
 
+def _speech(value: Any) -> Any:
+    """``speech:`` as ``{node: [phrases]}`` (a lone phrase becomes a list), or ``digits``."""
+    if value is None or value == "digits":
+        return value
+    if not isinstance(value, dict) or not value:
+        raise ValueError("'speech' is the phrases that choose each node ({agent: [agent, "
+                         "representative]}) or 'digits' (the digit string said aloud)")
+    out: dict[str, list[str]] = {}
+    for target, phrases in value.items():
+        phrases = [phrases] if isinstance(phrases, str) else phrases
+        if not isinstance(phrases, list) or not phrases or \
+                not all(isinstance(p, str) for p in phrases):
+            raise ValueError(f"speech for '{target}' must be a phrase or a list of phrases")
+        out[str(target)] = list(phrases)
+    return out
+
+
+#: What callers may say in a gather: phrases per node, or the digit string (``digits``).
+SpeechSpec = Annotated[dict[str, list[str]] | Literal["digits"] | None,
+                       BeforeValidator(_speech)]
+
+
 class Gather(BaseModel):
-    """Collect DTMF digits, with retries, then branch."""
+    """Collect DTMF digits (and, with ``speech``, what the caller says), with retries, then
+    branch."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     prompt: SayList = Field(default_factory=list)
@@ -327,6 +360,20 @@ class Gather(BaseModel):
     private: bool = False
     branch: dict[str, str] = Field(default_factory=dict)
     fallback: str | None = None
+    #: Phrases per node the caller may say instead of pressing keys, or ``digits``: the digit
+    #: string said aloud ("four one seven...") fills ``store`` as the keys would.
+    speech: SpeechSpec = None
+    #: The language the phrases are in (default: the script's); while the call speaks another
+    #: language this gather takes keys only.
+    speech_language: str | None = None
+    #: Longest a caller may speak in one turn; then what they said so far is recognised.
+    max_speech: Seconds = 10.0
+    #: Silence after speech that ends the turn once what was said is a complete answer (a
+    #: phrase, all the digits)... (VoiceXML 2.0 ``completetimeout``, section 6.3.2)
+    complete_timeout: Seconds = 0.2
+    #: ...and when it is not (yet): a caller pausing between digit groups keeps their turn.
+    #: (``incompletetimeout``)
+    incomplete_timeout: Seconds = 1.0
 
     @field_validator("store")
     @classmethod
@@ -342,7 +389,18 @@ class Gather(BaseModel):
         for key in self.branch:
             if key != "default" and not re.fullmatch(r"[0-9*#A-D]+", key):
                 raise ValueError(f"branch key '{key}' is not a keypad sequence (or 'default')")
+        if self.speech == "digits" and self.digits is None:
+            raise ValueError("'speech: digits' needs 'digits': how many digits the caller says")
+        if self.speech is None and self.speech_language is not None:
+            raise ValueError("'speech_language' without 'speech' means nothing")
         return self
+
+    def grammar(self, language: str) -> SpeechGrammar:
+        """What this gather listens for, in ``language`` (GrammarError when it cannot be)."""
+        if self.speech == "digits":
+            return SpeechGrammar.build({}, digits=self.digits, language=language)
+        assert isinstance(self.speech, dict)
+        return SpeechGrammar.build(self.speech, language=language)
 
 
 class Webhook(BaseModel):
@@ -436,7 +494,7 @@ class Edge:
     target: str
     #: What takes this way, in the author's words ("1", 'balance > 500', "no answer", ...).
     label: str
-    #: next | key | fallback | error | case | else | open | closed
+    #: next | key | speech | fallback | error | case | else | open | closed
     kind: str
     #: Where the target is written in the YAML (under the node).
     path: tuple[str | int, ...]
@@ -513,6 +571,10 @@ class Node(BaseModel):
             for key, target in self.gather.branch.items():
                 out.append(Edge(target, "any other key" if key == "default" else key, "key",
                                 ("gather", "branch", key)))
+            if isinstance(self.gather.speech, dict):
+                for target, phrases in self.gather.speech.items():
+                    out.append(Edge(target, " / ".join(f'"{p}"' for p in phrases), "speech",
+                                    ("gather", "speech", target)))
             if self.gather.fallback is not None:
                 out.append(Edge(self.gather.fallback, "no answer", "fallback",
                                 ("gather", "fallback")))
@@ -578,6 +640,7 @@ class Script(BaseModel):
 
     #: Where the script came from (set by the loader; not part of the YAML).
     path: Path | None = Field(None, exclude=True)
+    _grammars: dict[str, SpeechGrammar] = PrivateAttr(default_factory=dict)
 
     # --- the flow -------------------------------------------------------------------------
 
@@ -588,6 +651,28 @@ class Script(BaseModel):
         return [edge.target for edge in node.edges()
                 if edge.target in self.nodes
                 and not (edge.kind in ("case", "else") and edge.path[1] in dead)]
+
+    # --- what is heard ---------------------------------------------------------------------
+
+    def speech_language(self, gather: Gather) -> str:
+        """The language a speech gather's phrases are in (its own, else the script's)."""
+        return canonical_language(gather.speech_language or self.voice.language)
+
+    def speech_grammar(self, node: str) -> SpeechGrammar | None:
+        """What the gather of ``node`` listens for (None: keys only); built once."""
+        gather = self.nodes[node].gather
+        if gather is None or gather.speech is None:
+            return None
+        grammar = self._grammars.get(node)
+        if grammar is None:
+            grammar = gather.grammar(self.speech_language(gather))
+            self._grammars[node] = grammar
+        return grammar
+
+    def speech_gathers(self) -> list[str]:
+        """Nodes whose gather listens for speech."""
+        return [name for name, node in self.nodes.items()
+                if node.gather is not None and node.gather.speech is not None]
 
     # --- what speaks ----------------------------------------------------------------------
 
@@ -754,8 +839,12 @@ def load_script(
     voice_exists: Callable[[str], bool] | None = None,
     speakers: Iterable[str] = SPEAKERS,
     languages: Iterable[str] = LANGUAGES,
+    vocabulary: Vocabulary | None = None,
 ) -> Script:
-    """Load and validate ``path``; raise :class:`ScriptError` listing every problem."""
+    """Load and validate ``path``; raise :class:`ScriptError` listing every problem.
+
+    Speech gathers are checked against ``vocabulary``: the configured recogniser's languages
+    and dictionary (default: the built-in one's, :data:`gateway.asr.sphinx.VOCABULARY`)."""
     path = Path(path)
     label = str(path)
     try:
@@ -767,7 +856,7 @@ def load_script(
     except UnicodeDecodeError:
         raise ScriptError([Diagnostic(label, 1, 1, "the script is not UTF-8 text")]) from None
     return parse_script(text, label, base_dir=path.parent, voice_exists=voice_exists,
-                        speakers=speakers, languages=languages)
+                        speakers=speakers, languages=languages, vocabulary=vocabulary)
 
 
 def parse_script(
@@ -778,8 +867,10 @@ def parse_script(
     voice_exists: Callable[[str], bool] | None = None,
     speakers: Iterable[str] = SPEAKERS,
     languages: Iterable[str] = LANGUAGES,
+    vocabulary: Vocabulary | None = None,
 ) -> Script:
-    """Parse and validate script ``text`` (``label`` names it in messages)."""
+    """Parse and validate script ``text`` (``label`` names it in messages; ``vocabulary`` as
+    in :func:`load_script`)."""
     problems: list[Diagnostic] = []
 
     def report(pos: tuple[int, int], message: str) -> None:
@@ -822,6 +913,12 @@ def parse_script(
         raise ScriptError(problems) from None
 
     _check_logic(script, tree, report, base_dir, voice_exists, set(speakers), set(languages))
+    if script.speech_gathers():
+        if vocabulary is None:
+            from gateway.asr.sphinx import VOCABULARY
+
+            vocabulary = VOCABULARY
+        _check_speech(script, tree, report, vocabulary)
     if problems:
         raise ScriptError(problems)
     return script.model_copy(update={"path": base_dir / Path(label).name if base_dir else None})
@@ -896,10 +993,13 @@ def _check_logic(
                                   f"'{g.terminator}' ends the input, it is never part of it")
             check_node_ref(g.fallback, (*base, "gather", "fallback"),
                            f"node '{name}' falls back to")
+            for target in g.speech if isinstance(g.speech, dict) else ():
+                check_node_ref(target, (*base, "gather", "speech", target),
+                               f"node '{name}' sends speech to")
             if g.fallback is None and script.error is None:
                 report(pos(*base, "gather"), f"node '{name}' gathers digits with no way out when "
                                              "the caller never answers: add 'fallback: <node>'")
-            if not g.branch:
+            if not g.branch and not isinstance(g.speech, dict):
                 report(pos(*base, "gather"), f"node '{name}' gathers digits but has no 'branch' "
                                              "saying where each answer goes")
         if node.webhook is not None:
@@ -1010,6 +1110,50 @@ def _check_logic(
                 if variable not in settable:
                     report(pos("nodes", name, "webhook", "send"),
                            f"node '{name}' sends variable '{variable}', which nothing sets")
+
+
+def _check_speech(script: Script, tree: _Map, report: Callable[[tuple[int, int], str], None],
+                  vocabulary: Vocabulary) -> None:
+    """Speech gathers: a language the recogniser knows, words its dictionary has, phrases that
+    choose one node each."""
+    known = ", ".join(sorted(language_name(c) for c in vocabulary.languages)) or "none"
+    for name in script.speech_gathers():
+        gather = script.nodes[name].gather
+        assert gather is not None
+        base = ("nodes", name, "gather")
+        language = script.speech_language(gather)
+        code = language_code(language)
+        if code is None or code not in vocabulary.languages:
+            where = (_position(tree, (*base, "speech_language")) if gather.speech_language
+                     else _key_position(tree, (*base, "speech")))
+            report(where, f"node '{name}' listens for speech in {language}, which the speech "
+                          f"recogniser does not know (it knows {known}): a speech gather in "
+                          f"{language} needs a recogniser configured for it")
+            continue
+        if isinstance(gather.speech, dict):
+            for target, phrases in gather.speech.items():
+                listed = isinstance(_node_at(tree, (*base, "speech", target)), list)
+                for i, phrase in enumerate(phrases):
+                    path = (*base, "speech", target, *((i,) if listed else ()))
+                    for unknown in vocabulary.unknown_words([phrase]):
+                        report(_text_position(tree, path, unknown.offset),
+                               f"node '{name}' speech for '{target}': {unknown}")
+        try:
+            script.speech_grammar(name)
+        except GrammarError as exc:
+            for problem in exc.problems:
+                report(_key_position(tree, (*base, "speech")), f"node '{name}' speech: {problem}")
+
+
+def _node_at(tree: Any, path: Iterable[str | int]) -> Any:
+    """The loaded YAML value at ``path`` (None where the path leads nowhere)."""
+    node = tree
+    for part in path:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node
 
 
 def _check_language(language: str, where: tuple[int, int], languages: set[str],
