@@ -177,6 +177,19 @@ class Metrics:
             ["transport"], registry=r,
         )
 
+        self.speech_turns = Counter(
+            "gateway_speech_turns_total",
+            "Caller turns a speech gather heard: result is match, no_match, no_speech or "
+            "failed (the recogniser failed and the gather took keys instead).",
+            ["transport", "result"], registry=r,
+        )
+        self.speech_decision = Histogram(
+            "gateway_speech_decision_seconds",
+            "End of the caller's speech to the speech gather's decision (its end-of-speech "
+            "timeout plus whatever recognition had left to do).",
+            ["transport"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+
     def render(self) -> bytes:
         """Exposition-format text of every metric."""
         return generate_latest(self.registry)

@@ -21,7 +21,7 @@ DEMO_CASES = ROOT / "prompts" / "demo.cases.yaml"
 def test_the_demo_cases_pass(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["prompts", "test", str(DEMO), str(DEMO_CASES)]) == 0
     out = capsys.readouterr().out
-    assert "8 passed, 0 failed" in out
+    assert "11 passed, 0 failed" in out
     assert "PASS en español, the same lookup with translated prompts" in out
     assert "demo.cases.yaml:26:5: PASS an overdue account goes to collections" in out
 
@@ -82,7 +82,7 @@ def test_case_file_mistakes_are_located(tmp_path: Path) -> None:
         "c:3:9: cases.0.at: give the time with its UTC offset: 2025-06-16T10:00:00-04:00",
         "c:5:21: cases.0.steps.0.press: '1x' is not keypad keys (0-9, *, #, A-D)",
         "c:5:35: cases.0.steps.1.wait: 'soon' is not a duration: write 5s, 1.5s or 500ms",
-        'c:5:42: cases.0.steps.2: a step is {press: "1"}, {wait: 5s} or hangup',
+        'c:5:42: cases.0.steps.2: a step is {press: "1"}, {say: "agent"}, {wait: 5s} or hangup',
         "c:8:5: unknown field 'colour' (cases.0.colour): check the spelling",
     ]
     cases.write_text("cases:\n  - name: two\n    webhooks: {lookpu: {a: 1}}\n"

@@ -98,7 +98,7 @@ async def _account_lookup_then_transfer(ivr: tuple[VirtualServer, list[Any]]) ->
         await call.start({"From": "+15550001111", "To": "+15550002222"})
         welcome = await _heard(live, call, "Thank you for calling Acme Energy.")
         assert welcome.cached, "the greeting must come from the prompt cache"
-        await _heard(live, call, "For your account balance, press 1.")
+        await _heard(live, call, "For your account balance, press 1 or say balance.")
         n = len(_utterances(live, call))
         await call.send_dtmf("1")
         ask = await _heard(live, call, "six digit account number", after=n)
@@ -130,7 +130,7 @@ def test_no_input_retries_then_goodbye_hangs_up(ivr: tuple[VirtualServer, list[A
 async def _no_input_retries_then_goodbye(live: VirtualServer) -> None:
     async with _call(live, 2) as call:
         await call.start({"From": "+15550003333"})
-        menu = await _heard(live, call, "For your account balance, press 1.")
+        menu = await _heard(live, call, "For your account balance, press 1 or say balance.")
         # Say nothing for the 5 s timeout: the retry prompt, then the menu again.
         await _heard(live, call, "didn't catch that", timeout=30)
         assert call.now() - (menu.first_frame_at or 0) >= 5.0
@@ -157,7 +157,7 @@ async def test_a_cached_prompt_starts_within_5_ms_of_the_callers_turn(
     turns = 400
     async with _call(live, 3) as call:
         await call.start()
-        await _heard(live, call, "For your account balance, press 1.")
+        await _heard(live, call, "For your account balance, press 1 or say balance.")
         server_latency = []
         client_latency = []
         for _ in range(turns):

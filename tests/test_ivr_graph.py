@@ -48,9 +48,14 @@ def test_the_demo_as_svg_names_every_node_what_it_says_and_what_takes_each_edge(
     assert "transfer" in nodes["agent"] and "+15555550100" in nodes["agent"]
     assert "hang up" in nodes["goodbye"]
     assert "language = Spanish" in nodes["spanish"]
-    assert edges["menu->account"] == "press 1"
+    assert edges["menu->account"] == ('press 1 | say "balance" / "account balance" / '
+                                      '"my balance" / "check my balance"')
     assert edges["menu->spanish"] == "press 8"
-    assert edges["menu->agent"] == "press 2 | no answer"
+    assert edges["menu->agent"] == ('press 2 | say "agent" / "representative" / "operator" / '
+                                    '"speak to an agent" | no answer')
+    assert edges["menu->menu"] == 'press 9 | say "repeat" / "main menu" / "say that again"'
+    assert "1 digit or speech → digits" in nodes["menu"]
+    assert "6 digits until # (keyed or said) → account_number" in nodes["account"]
     assert edges["account->lookup"] == "any other key"
     assert edges["lookup->route"] == "ok"
     assert edges["lookup->sorry"] == "error"

@@ -123,7 +123,7 @@ class Caller:
 
     async def _lookup(self, call: FakeTwilioCall) -> None:
         cleared = await self._greeting_then(call, "1")
-        await self._audio_after(call, cleared)  # "Please enter your six digit account number"
+        await self._audio_after(call, cleared)  # "Please say or enter your six digit..."
         asked = len(self.seen)
         for digit in "123456#":
             await call.send_dtmf(digit)

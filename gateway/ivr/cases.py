@@ -14,7 +14,8 @@ for business hours, the time of day the case gives::
           lookup: {first_name: Dana, balance: "80.00", status: overdue}   # status, or a list
         steps:                          # what the caller does, each when the call waits for
           - press: "1"                  # them: keys (several at once are typed quickly)
-          - press: "123456#"
+          - say: "one two three four five six"   # speech, to a gather that listens for it
+          - press: "#"
           - wait: 10s                   # silence (timeouts fire)
           - hangup                      # the caller hangs up
         path: [welcome, menu, account, lookup, route, collections]
@@ -24,6 +25,11 @@ for business hours, the time of day the case gives::
 
 Once the steps run out the caller stays silent until the call ends. ``path``, ``says`` and
 ``outcome`` are each optional and exact; a failure says where the call diverged.
+
+A ``say`` step is heard as its words: a speech gather recognises exactly the phrase (or digit
+string) it says, anything else as out of the menu (the recogniser's accuracy is
+``bench/asr.py``'s business, not a script test's); the turn ends by the gather's own timeouts.
+Said where no gather listens, it only barges in.
 """
 
 from __future__ import annotations
@@ -49,8 +55,11 @@ from pydantic import (
     field_validator,
 )
 
+from gateway.asr.base import Encoding, MatchStatus, RecognitionResult
+from gateway.asr.grammar import SpeechGrammar, match, phrase_words
+from gateway.asr.pool import SpeechSession
 from gateway.audio.g711 import Codec
-from gateway.call.events import CallOutcome, Hangup
+from gateway.call.events import CallOutcome, Hangup, SpeechPaused, SpeechStarted
 from gateway.call.playout import PlayoutPolicy
 from gateway.call.session import Call, Utterance
 from gateway.clock import VirtualClock
@@ -103,19 +112,31 @@ class Wait(BaseModel):
     wait: Seconds
 
 
+class Say(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    say: str = Field(min_length=1)
+
+
 def _step_kind(value: Any) -> str | None:
     if value == "hangup":
         return "hangup"
     if isinstance(value, dict):
-        return "press" if "press" in value else "wait" if "wait" in value else None
-    return "press" if isinstance(value, Press) else "wait" if isinstance(value, Wait) else None
+        for kind in ("press", "wait", "say"):
+            if kind in value:
+                return kind
+        return None
+    for kind, model in (("press", Press), ("wait", Wait), ("say", Say)):
+        if isinstance(value, model):
+            return kind
+    return None
 
 
 Step = Annotated[
     Annotated[Press, Tag("press")] | Annotated[Wait, Tag("wait")]
-    | Annotated[Literal["hangup"], Tag("hangup")],
+    | Annotated[Say, Tag("say")] | Annotated[Literal["hangup"], Tag("hangup")],
     Discriminator(_step_kind, custom_error_type="step",
-                  custom_error_message='a step is {press: "1"}, {wait: 5s} or hangup'),
+                  custom_error_message='a step is {press: "1"}, {say: "agent"}, {wait: 5s} '
+                                       'or hangup'),
 ]
 
 
@@ -303,6 +324,36 @@ class _Backend:
         return httpx.Response(200, json=reply)
 
 
+class _HeardAsWritten:
+    """The tester's recogniser: what a ``say`` step says is what it hears, word for word."""
+
+    running = True
+
+    def __init__(self) -> None:
+        self.said = ""
+
+    def session(self, grammar: SpeechGrammar, *, encoding: Encoding = "pcmu",
+                max_speech_s: float = 10.0) -> SpeechSession:
+        return SpeechSession(self._recognize, grammar, encoding=encoding,
+                             max_speech_s=max_speech_s)
+
+    async def _recognize(self, pcm: np.ndarray, grammar: SpeechGrammar) -> RecognitionResult:
+        words = phrase_words(self.said)
+        heard = " ".join(words)
+        found = match(grammar, words)
+        if found is None:
+            return RecognitionResult(MatchStatus.NO_MATCH, transcript=heard,
+                                     reason=f"heard {heard!r}, which is not in the menu")
+        return RecognitionResult(MatchStatus.MATCH, branch=found.branch, phrase=found.phrase,
+                                 digits=found.digits, transcript=heard, confidence=1.0)
+
+
+#: How long a ``say`` step takes to say, per word (a caller's pace).
+_SECONDS_PER_WORD = 0.35
+#: Bound on the timer steps a spoken turn may take to be decided.
+_SAY_STEPS = 1000
+
+
 @dataclass
 class CaseResult:
     """What a case did, and where it departed from what it expected."""
@@ -335,6 +386,8 @@ def _expected_outcome(outcome: Outcome) -> str:
 def _step_text(step: Step) -> str:
     if isinstance(step, Press):
         return f"press {step.press}"
+    if isinstance(step, Say):
+        return f"say {step.say!r}"
     if isinstance(step, Wait):
         return f"wait {step.wait:g} s"
     return "hang up"
@@ -351,11 +404,13 @@ async def run_case(script: IvrScript, case: Case, position: tuple[int, int] = (1
     call.start()
     backend = _Backend(script, case.webhooks)
     http = httpx.AsyncClient(transport=httpx.MockTransport(backend))
+    heard = _HeardAsWritten()
     context = RunnerContext(
         script=script, cache=PromptCache(None), model_fingerprint=fingerprint,
         voice_identity=_identity(script), speaker=_SilentSpeaker(), audio="silence",
         clock=clock, http=http,
         sounds={node.play: _SILENCE for node in script.nodes.values() if node.play is not None},
+        recognizer=heard,
     )
     waiting = asyncio.Event()
     trace = CallTrace(call.call_id, script.name, call.answered_at, on_waiting=waiting.set)
@@ -387,6 +442,8 @@ async def run_case(script: IvrScript, case: Case, position: tuple[int, int] = (1
                     call.dtmf(key)
             elif isinstance(step, Wait):
                 await clock.advance(step.wait)
+            elif isinstance(step, Say):
+                await _say(call, clock, heard, step.say)
             else:
                 call.deliver(Hangup(at=clock.now()))
         # The caller says nothing more: let time run until the call ends.
@@ -409,6 +466,36 @@ async def run_case(script: IvrScript, case: Case, position: tuple[int, int] = (1
     result.variables = dict(runner.variables)
     _compare(script, case, result)
     return result
+
+
+async def _say(call: Call, clock: VirtualClock, heard: _HeardAsWritten, text: str) -> None:
+    """The caller says ``text``: the speech starts now (barging in on a prompt), lasts its
+    words' time, then a pause begins that the listening gather, if any, ends the turn with."""
+    heard.said = text
+    listener = call.listener
+    session = listener if isinstance(listener, SpeechSession) else None
+    now = clock.now()
+    if session is not None:
+        session.speech_started(now)
+    call.deliver(SpeechStarted(at=now))
+    await clock.advance(_SECONDS_PER_WORD * max(1, len(phrase_words(text))))
+    if session is None or call.listener is not session:
+        return
+    session.feed(_SILENCE.tobytes())
+    now = clock.now()
+    session.speech_paused(now)
+    call.deliver(SpeechPaused(now, at=now))
+    # The caller is silent now, waiting for an answer: let the gather's end-of-speech timeouts
+    # run out until it decides (it stops listening then).
+    for _ in range(_SAY_STEPS):
+        for _ in range(5):
+            await asyncio.sleep(0)
+        if call.listener is not session:
+            return
+        deadline = clock.next_deadline()
+        if deadline is not None:
+            await clock.advance(max(0.0, deadline - clock.now()))
+    raise RuntimeError(f"the gather never decided what {text!r} was")
 
 
 def _identity(script: IvrScript) -> str:

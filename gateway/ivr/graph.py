@@ -69,8 +69,10 @@ def _action(node: Node) -> tuple[str, str]:
         if g.terminator is not None:
             ends.append(f"until {g.terminator}")
         retries = f", {g.retries} retr{'ies' if g.retries != 1 else 'y'}" if g.retries else ""
-        return (f"<b>gather</b> {html.escape(' '.join(ends))} → {html.escape(g.store)} "
-                f"({g.timeout:g} s{retries})", _PLAIN)
+        spoken = {None: "", "digits": " (keyed or said)"}.get(
+            g.speech if isinstance(g.speech, str | None) else "", " or speech")
+        return (f"<b>gather</b> {html.escape(' '.join(ends))}{spoken} → "
+                f"{html.escape(g.store)} ({g.timeout:g} s{retries})", _PLAIN)
     if node.webhook is not None:
         sets = f" sets {', '.join(node.webhook.sets)}" if node.webhook.sets else ""
         return f"<b>webhook</b> {_lines(node.webhook.url)}{html.escape(sets)}", _PLAIN
@@ -137,6 +139,8 @@ def flow_graph(script: Script) -> graphviz.Digraph:
             label = edge.label
             if edge.kind == "key":
                 label = f"press {label}" if label != "any other key" else label
+            elif edge.kind == "speech":
+                label = f"say {label}"
             elif edge.kind == "case":
                 label = f"if {label}"
             if node.webhook is not None and edge.kind == "next":

@@ -13,6 +13,14 @@ spoken live (:class:`~gateway.speech.Speaker`: a speech-service stream handed to
 
 Barge-in: while an interruptible ``say`` plays, a key press or the caller starting to speak
 stops it exactly like a DTMF barge-in; the digit is kept as type-ahead for the next gather.
+
+Speech gathers (``speech:`` phrases per node, or ``speech: digits``) listen from the moment
+their prompt starts until the caller's turn is over (:mod:`gateway.ivr.listening`); keys work
+all along and whichever completes first wins: a key pressed while the caller is still speaking
+stops the listening. A spoken phrase goes to its node; spoken digits are the gather's answer as
+keys would be. What was heard is in the call's trace. When the recogniser fails (its worker
+died, it timed out, it is overloaded) the gather says why in the log, prompts again and takes
+keys only; the call goes on. The caller's turn is measured from the end of their speech.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from gateway.asr.base import MatchStatus, RecognitionResult
+from gateway.asr.grammar import SpeechGrammar
 from gateway.call.events import (
     CallEvent,
     Dtmf,
@@ -40,7 +50,9 @@ from gateway.call.events import (
 )
 from gateway.call.session import Call, Dialog, Utterance
 from gateway.clock import Clock, SystemClock
+from gateway.errors import RecognizerError
 from gateway.ivr.cache import PromptCache, PromptKey
+from gateway.ivr.listening import SpeechDecision, SpeechInput, SpeechTurn
 from gateway.ivr.prompts import ResolvedVoice, prompt_key_for, speaker_identity
 from gateway.ivr.script import (
     BUILTIN_VARIABLES,
@@ -51,11 +63,13 @@ from gateway.ivr.script import (
     Script,
     Sentence,
     Webhook,
+    canonical_language,
     render,
     template_variables,
 )
 from gateway.ivr.script import Voice as ScriptVoice
-from gateway.ivr.trace import CallTrace, Heard, KeyPress, Visit, WebhookCall
+from gateway.ivr.trace import CallTrace, Heard, KeyPress, Recognised, Visit, WebhookCall
+from gateway.metrics import Metrics
 from gateway.speech import Speaker
 from gateway.speech import Voice as SpeechVoice
 
@@ -71,6 +85,21 @@ MAX_STEPS = 1000
 
 class _CallEnded(Exception):
     """The caller hung up: stop the script."""
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One gather attempt's outcome: keys (or spoken digits), a spoken phrase's node, or a
+    recogniser failure."""
+
+    digits: str = ""
+    branch: str | None = None
+    spoken: bool = False
+    failed: bool = False
+
+
+#: :meth:`IvrRunner._next_speech_event`: the caller said nothing within the gather's timeout.
+_NO_INPUT = object()
 
 
 class _Failed(Exception):
@@ -106,6 +135,9 @@ class RunnerContext:
     sounds: dict[str, np.ndarray] = field(default_factory=dict)
     #: Cloned voices a node's ``voice:`` switches to, by name (resolved at start-up).
     clones: dict[str, ResolvedVoice] = field(default_factory=dict)
+    #: Where speech gathers' turns are recognised (None: speech gathers take keys only).
+    recognizer: SpeechInput | None = None
+    metrics: Metrics | None = None
 
     def key(self, text: str, voice: ScriptVoice | None = None) -> PromptKey:
         """The cache key of ``text`` spoken with ``voice`` (default: the script's)."""
@@ -414,44 +446,190 @@ class IvrRunner:
     # --- gathering ----------------------------------------------------------------------------
 
     async def _gather(self, gather: Gather) -> str | None:
+        node = self.path[-1]
         attempt = 0
+        grammar = self._speech_grammar(node, gather)
+        retry = False
         while True:
-            digits = await self._collect(gather, retry=attempt > 0)
-            if digits:
-                target = gather.branch.get(digits) or gather.branch.get("default")
+            answer = await self._collect(gather, retry=retry, grammar=grammar)
+            if answer.failed:
+                # The recogniser failed on this turn: say the prompt again and take keys, without
+                # using up one of the caller's retries (they did nothing wrong).
+                grammar, retry = None, True
+                continue
+            if answer.branch is not None:
+                self.trace.choices.append((node, f"said: {answer.branch}"))
+                return answer.branch
+            if answer.digits:
+                target = gather.branch.get(answer.digits) or gather.branch.get("default")
                 if target is not None:
-                    self.variables[gather.store] = digits
+                    self.variables[gather.store] = answer.digits
                     return target
-                log.info("call %s: no branch for %r", self.call.call_id, digits)
+                log.info("call %s: no branch for %r", self.call.call_id,
+                         "*" * len(answer.digits) if gather.private else answer.digits)
             attempt += 1
+            retry = True
             if attempt > gather.retries:
                 return gather.fallback or self.script.error
 
-    async def _collect(self, gather: Gather, *, retry: bool) -> str:
-        """Prompt (unless type-ahead already answered) and collect one answer."""
+    def _speech_grammar(self, node: str, gather: Gather) -> SpeechGrammar | None:
+        """What this gather listens for now (None: keys only, and why is logged)."""
+        if gather.speech is None:
+            return None
+        language = self.script.speech_language(gather)
+        if canonical_language(self.voice.language).lower() != language.lower():
+            # The phrases are in another language than the call speaks now: keys only.
+            return None
+        recognizer = self.ctx.recognizer
+        if recognizer is None or not recognizer.running:
+            log.info("call %s: %s takes keys only: %s", self.call.call_id, node,
+                     "no speech recogniser" if recognizer is None
+                     else "the speech recogniser is not running")
+            return None
+        return self.script.speech_grammar(node)
+
+    async def _collect(self, gather: Gather, *, retry: bool,
+                       grammar: SpeechGrammar | None) -> _Answer:
+        """Prompt (unless type-ahead already answered) and collect one answer: keys, or with a
+        ``grammar`` what the caller says, whichever completes first."""
+        turn: SpeechTurn | None = None
+        if grammar is not None and not self.typeahead and self.ctx.recognizer is not None:
+            session = self.ctx.recognizer.session(grammar, encoding=self.call.codec,
+                                                  max_speech_s=gather.max_speech)
+            turn = SpeechTurn(session, complete_s=gather.complete_timeout,
+                              incomplete_s=gather.incomplete_timeout,
+                              max_speech_s=gather.max_speech)
+            # From the prompt's start: speech during it barges in and is the answer.
+            self.call.listen(session)
+        try:
+            return await self._answer(gather, retry, turn)
+        except RecognizerError as exc:
+            log.warning("call %s: speech recognition failed at %s (%s); taking keys only",
+                        self.call.call_id, self.path[-1], exc)
+            self._heard_speech(gather, None, failed=str(exc))
+            return _Answer(failed=True)
+        finally:
+            if turn is not None:
+                self.call.listen(None)
+                turn.close()
+
+    async def _answer(self, gather: Gather, retry: bool, turn: SpeechTurn | None) -> _Answer:
         entered: list[str] = []
         if not self.typeahead:
             prompt = [*gather.retry_prompt, *gather.prompt] if retry else list(gather.prompt)
             # Gather prompts are always interruptible: keys pressed during them are the answer.
             await self._speak(prompt, barge_in=True)
         timeout = gather.timeout
+        no_input_at = self.clock.now() + timeout
         while True:
             while self.typeahead:
+                if turn is not None:
+                    # Keys win: what the caller may be saying meanwhile is not the answer.
+                    self.call.listen(None)
+                    turn.close()
+                    turn = None
                 digit = self.typeahead.pop(0)
                 if gather.terminator is not None and digit == gather.terminator:
-                    return "".join(entered)
+                    return _Answer("".join(entered))
                 entered.append(digit)
                 if gather.digits is not None and len(entered) >= gather.digits:
-                    return "".join(entered)
-            event = await self._next_event(timeout)
-            if event is None:
-                # Timed out: what was typed so far is the answer (empty = no input).
-                return "".join(entered)
+                    return _Answer("".join(entered))
+            if turn is not None and not entered:
+                decision = turn.poll(self.clock.now())
+                if decision is not None:
+                    return self._spoken(gather, decision)
+                event = await self._next_speech_event(turn, no_input_at)
+                if event is _NO_INPUT:
+                    return _Answer("")
+            else:
+                event = await self._next_event(timeout)
+                if event is None:
+                    # Timed out: what was typed so far is the answer (empty = no input).
+                    return _Answer("".join(entered))
             if isinstance(event, Dtmf):
                 self._turn_at = event.at
                 self._key(event.digit)
                 self.typeahead.append(event.digit)
                 timeout = gather.inter_digit_timeout
+
+    async def _next_speech_event(self, turn: SpeechTurn, no_input_at: float
+                                 ) -> CallEvent | object | None:
+        """Wait for what moves a listening gather on: a call event, the turn's recognition,
+        its next deadline, or (before any speech) the no-input timeout (``_NO_INPUT``)."""
+        now = self.clock.now()
+        deadline = turn.deadline(now) if turn.speaking else no_input_at
+        if not turn.speaking:
+            if now >= no_input_at:
+                return _NO_INPUT
+            # Only now is the call waiting for the caller (mid-turn it waits for its own
+            # end-of-speech timeouts): the script tester says its next step here.
+            if self.trace.on_waiting is not None and self.call.events.empty():
+                self.trace.on_waiting()
+        getter = asyncio.ensure_future(self.call.events.get())
+        waiters: set[asyncio.Future[Any]] = {getter}
+        if turn.pending is not None:
+            waiters.add(turn.pending)
+        wait = asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await self.clock.wait_for(wait, None if deadline is None else max(0.0, deadline - now))
+        except TimeoutError:
+            pass
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if not getter.done() or getter.cancelled():
+            return None
+        event = getter.result()
+        if isinstance(event, Hangup) or self.call.ended:
+            raise _CallEnded()
+        return event
+
+    def _spoken(self, gather: Gather, decision: SpeechDecision) -> _Answer:
+        """The answer of a spoken turn (and its trace entry and metrics)."""
+        result = decision.result
+        self._heard_speech(gather, decision)
+        # The next prompt answers the caller's turn, which ended when their speech did.
+        self._turn_at = decision.ended_at
+        if result.matched:
+            if result.branch is not None:
+                return _Answer(branch=result.branch, spoken=True)
+            return _Answer(result.digits or "", spoken=True)
+        log.info("call %s: %s heard no answer: %s", self.call.call_id, self.path[-1],
+                 result.reason or result.status.value)
+        return _Answer("", spoken=True)
+
+    def _heard_speech(self, gather: Gather, decision: SpeechDecision | None, *,
+                      failed: str | None = None) -> None:
+        node = self.path[-1] if self.path else ""
+        now = self.clock.now()
+        metrics = self.ctx.metrics
+        if decision is None:
+            self.trace.speech.append(Recognised(node, now, "failed", reason=failed))
+            if metrics is not None:
+                metrics.speech_turns.labels(self.call.transport_name, "failed").inc()
+            return
+        r: RecognitionResult = decision.result
+        said = r.phrase if r.phrase is not None else r.digits
+        private = gather.private
+        entry = Recognised(
+            node, decision.ended_at, r.status.value.replace("_", " "),
+            branch=r.branch,
+            said="*" * len(said) if private and said else said,
+            heard="*" if private and r.transcript else r.transcript,
+            confidence=round(r.confidence, 3), speech_s=round(r.audio_s, 2),
+            decision_ms=round(1000 * (decision.decided_at - decision.ended_at), 1),
+            reason=r.reason,
+        )
+        self.trace.speech.append(entry)
+        if metrics is not None:
+            metrics.speech_turns.labels(self.call.transport_name, r.status.value).inc()
+            if r.status is not MatchStatus.NO_SPEECH:
+                metrics.speech_decision.labels(self.call.transport_name).observe(
+                    decision.decided_at - decision.ended_at)
+        log.info("call %s: %s heard %s (%s, %.0f ms after the speech ended, %d recognition%s)",
+                 self.call.call_id, node, r.status.value,
+                 entry.said if r.matched else repr(entry.heard), entry.decision_ms,
+                 decision.recognitions, "" if decision.recognitions == 1 else "s")
 
     # --- webhook ------------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""What one call went through: the nodes it visited, what it heard, the keys, the webhooks.
+"""What one call went through: the nodes it visited, what it heard, the keys, what it said,
+the webhooks.
 
 The IVR runner fills a :class:`CallTrace` as the call goes; at hang-up it is logged as one
 structured record (``ivr trace``; under ``GATEWAY_LOG_FORMAT=json`` a ``trace`` object in the
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CallTrace", "Heard", "KeyPress", "Visit", "WebhookCall"]
+__all__ = ["CallTrace", "Heard", "KeyPress", "Recognised", "Visit", "WebhookCall"]
 
 
 @dataclass
@@ -45,6 +46,29 @@ class KeyPress:
 
 
 @dataclass
+class Recognised:
+    """What a speech gather heard in one caller turn, and what it made of it."""
+
+    node: str
+    #: When the caller stopped speaking.
+    at: float
+    #: "match", "no match", "no speech", or "failed" (the recogniser failed: keys only).
+    result: str
+    #: The node a phrase chose, or None.
+    branch: str | None = None
+    #: The phrase as the author wrote it, or the digit string ('*'s in a private gather).
+    said: str | None = None
+    #: What the recogniser heard (its open-vocabulary transcript; '*' in a private gather).
+    heard: str = ""
+    confidence: float = 0.0
+    #: Seconds of speech recognised, and end of speech -> decision in milliseconds.
+    speech_s: float = 0.0
+    decision_ms: float = 0.0
+    #: Why it was no match or failed, in words.
+    reason: str | None = None
+
+
+@dataclass
 class WebhookCall:
     node: str
     url: str
@@ -65,6 +89,8 @@ class CallTrace:
     visits: list[Visit] = field(default_factory=list)
     heard: list[Heard] = field(default_factory=list)
     keys: list[KeyPress] = field(default_factory=list)
+    #: What speech gathers heard.
+    speech: list[Recognised] = field(default_factory=list)
     webhooks: list[WebhookCall] = field(default_factory=list)
     #: (node, what it chose): a branch's case, "open"/"closed", a gather's answer kind.
     choices: list[tuple[str, str]] = field(default_factory=list)
@@ -87,13 +113,13 @@ class CallTrace:
         # asyncio.Event, its loop with it).
         record: dict[str, Any] = {"call_id": self.call_id, "script": self.script,
                                   "path": self.path}
-        for part in ("visits", "heard", "keys", "webhooks"):
+        for part in ("visits", "heard", "keys", "speech", "webhooks"):
             record[part] = [asdict(entry) for entry in getattr(self, part)]
         record["outcome"], record["target"] = self.outcome, self.target
         record["choices"] = [{"node": n, "chose": c} for n, c in self.choices]
         record["duration_s"] = (round(self.ended_at - self.started_at, 3)
                                 if self.ended_at is not None else None)
-        for part in ("visits", "heard", "keys"):
+        for part in ("visits", "heard", "keys", "speech"):
             for entry in record[part]:
                 entry["at"] = round(entry["at"] - self.started_at, 3)
         return record
