@@ -149,4 +149,22 @@ async def test_listening_that_starts_while_the_caller_speaks_starts_their_turn_a
     assert attached
     assert listener.log[0] == ("started", attached[0])
     assert listener.log[-1][0] == "paused"
+    # It heard the speech from where it began (the detector fired ~250 ms into it, plus the
+    # pre-roll), not only what came after listening started.
+    heard_s = listener.bytes / 8000
+    assert heard_s >= len(audio) / 8000 - LEAD_S - 0.05, (heard_s, len(audio) / 8000)
     await call.close()
+
+
+def test_the_recent_audio_ring_keeps_the_last_bytes_in_order() -> None:
+    from gateway.call.session import _Recent
+
+    ring = _Recent(10)
+    ring.push(b"abc")
+    assert ring.last(5) == b"abc"
+    ring.push(b"defghij")
+    assert ring.last(10) == b"abcdefghij"
+    ring.push(b"klm")
+    assert ring.last(10) == b"defghijklm" and ring.last(4) == b"jklm"
+    ring.push(b"0123456789abc")
+    assert ring.last(10) == b"3456789abc"

@@ -66,6 +66,49 @@ log = logging.getLogger(__name__)
 
 #: Inbound audio is 8 kHz G.711 on every transport.
 _RATE = 8000
+#: Inbound audio a call with a speech detector keeps (a ring, one byte per sample): a caller who
+#: talks over a prompt no gather listens to ("agent!" during the greeting) is heard by the next
+#: speech gather from where their speech began.
+RECENT_S = 3.0
+#: Audio kept from before the detector's speech start (it fires ~250 ms into the speech).
+PRE_ROLL_S = 0.5
+
+
+class _Recent:
+    """The last :data:`RECENT_S` of inbound G.711, in a preallocated ring (no per-frame
+    allocation)."""
+
+    __slots__ = ("_buf", "_filled", "_pos")
+
+    def __init__(self, size: int) -> None:
+        self._buf = bytearray(size)
+        self._pos = 0
+        self._filled = 0
+
+    def push(self, frame: bytes | bytearray | memoryview) -> None:
+        buf, size = self._buf, len(self._buf)
+        n = len(frame)
+        if n >= size:
+            buf[:] = frame[n - size:]
+            self._pos, self._filled = 0, size
+            return
+        end = self._pos + n
+        if end <= size:
+            buf[self._pos:end] = frame
+        else:
+            first = size - self._pos
+            buf[self._pos:] = frame[:first]
+            buf[:n - first] = frame[first:]
+        self._pos = end % size
+        self._filled = min(size, self._filled + n)
+
+    def last(self, n: int) -> bytes:
+        """The most recent ``n`` bytes (fewer if fewer were kept)."""
+        n = min(n, self._filled)
+        start = (self._pos - n) % len(self._buf)
+        if start + n <= len(self._buf):
+            return bytes(self._buf[start:start + n])
+        return bytes(self._buf[start:]) + bytes(self._buf[:self._pos])
 
 __all__ = [
     "AudioStream",
@@ -119,6 +162,8 @@ class SpeechDetector(Protocol):
     samples: int
     #: Sample at which the caller's current pause began (None while they speak).
     pause_start: int | None
+    #: Sample at which the latest speech start was detected.
+    last_event_sample: int | None
 
     def push(self, frame: bytes | bytearray | memoryview) -> bool: ...
 
@@ -236,6 +281,7 @@ class Call:
         #: Feed caller audio to the speech detector (off: nothing interruptible is playing).
         self.listening = detector is not None
         self._listener: InboundListener | None = None
+        self._recent = _Recent(round(RECENT_S * _RATE)) if detector is not None else None
         if watch is None:
             watch = InactivityWatch(clock, inactivity_s, transport=transport_name,
                                     metrics=metrics, on_expired=self._inactive, label=call_id)
@@ -288,6 +334,8 @@ class Call:
         self.inactivity.touch(now)
         detector = self._detector
         listener = self._listener
+        if self._recent is not None:
+            self._recent.push(payload)
         if listener is not None:
             listener.feed(payload)
             if detector is not None and self.listening:
@@ -319,17 +367,22 @@ class Call:
     def listen(self, listener: InboundListener | None) -> None:
         """Give inbound audio to ``listener`` from now on (None: stop).
 
-        A caller already speaking when listening starts (talking over a prompt that could not
-        be interrupted) starts the listener's turn at once: what they said before is lost, but
-        the turn is not missed.
+        A caller already speaking when listening starts (talking over a prompt no gather
+        listened to, say the greeting) starts the listener's turn at once, with the audio since
+        their speech began (up to :data:`RECENT_S`), so what they are saying is heard whole.
         """
         self._listener = listener
         detector = self._detector
-        if listener is not None and detector is not None and self.listening \
-                and detector.speaking:
-            listener.speech_started(self.clock.now())
-            if detector.pause_start is not None:
-                listener.speech_paused(self.clock.now())
+        if listener is None or detector is None or not self.listening or not detector.speaking:
+            return
+        now = self.clock.now()
+        # Started first: a listener keeps only a short pre-roll of what it hears before speech.
+        listener.speech_started(now)
+        if self._recent is not None and detector.last_event_sample is not None:
+            since = detector.samples - detector.last_event_sample + round(PRE_ROLL_S * _RATE)
+            listener.feed(self._recent.last(since))
+        if detector.pause_start is not None:
+            listener.speech_paused(now - (detector.samples - detector.pause_start) / _RATE)
 
     def dtmf(self, digit: str, now: float | None = None) -> None:
         """A key the caller pressed (Twilio ``dtmf``, RFC 4733 telephone-event)."""
