@@ -98,9 +98,6 @@ class _Answer:
     failed: bool = False
 
 
-#: :meth:`IvrRunner._next_speech_event`: the caller said nothing within the gather's timeout.
-_NO_INPUT = object()
-
 
 class _Failed(Exception):
     """A step failed (speech, webhook): go to the error node.
@@ -515,12 +512,17 @@ class IvrRunner:
 
     async def _answer(self, gather: Gather, retry: bool, turn: SpeechTurn | None) -> _Answer:
         entered: list[str] = []
-        if not self.typeahead:
+        # A caller already talking (over the prompt before, which stopped for them) is answering
+        # already, as keys typed ahead are: no prompt over them.
+        if not self.typeahead and not (turn is not None and turn.speaking):
             prompt = [*gather.retry_prompt, *gather.prompt] if retry else list(gather.prompt)
             # Gather prompts are always interruptible: keys pressed during them are the answer.
             await self._speak(prompt, barge_in=True)
         timeout = gather.timeout
         no_input_at = self.clock.now() + timeout
+        # A deadline the last wait ran to: it has passed, even where the loop's timer fired a
+        # clock-resolution early (asyncio runs timers due within it).
+        reached: float | None = None
         while True:
             while self.typeahead:
                 if turn is not None:
@@ -535,12 +537,13 @@ class IvrRunner:
                 if gather.digits is not None and len(entered) >= gather.digits:
                     return _Answer("".join(entered))
             if turn is not None and not entered:
-                decision = turn.poll(self.clock.now())
+                now = self.clock.now() if reached is None else max(self.clock.now(), reached)
+                decision = turn.poll(now)
                 if decision is not None:
                     return self._spoken(gather, decision)
-                event = await self._next_speech_event(turn, no_input_at)
-                if event is _NO_INPUT:
+                if not turn.speaking and now >= no_input_at:
                     return _Answer("")
+                event, reached = await self._next_speech_event(turn, now, no_input_at)
             else:
                 event = await self._next_event(timeout)
                 if event is None:
@@ -552,37 +555,36 @@ class IvrRunner:
                 self.typeahead.append(event.digit)
                 timeout = gather.inter_digit_timeout
 
-    async def _next_speech_event(self, turn: SpeechTurn, no_input_at: float
-                                 ) -> CallEvent | object | None:
+    async def _next_speech_event(self, turn: SpeechTurn, now: float, no_input_at: float
+                                 ) -> tuple[CallEvent | None, float | None]:
         """Wait for what moves a listening gather on: a call event, the turn's recognition,
-        its next deadline, or (before any speech) the no-input timeout (``_NO_INPUT``)."""
-        now = self.clock.now()
+        or its next deadline (before any speech: the no-input timeout). Returns the event (or
+        None) and the deadline when the wait ran to it."""
         deadline = turn.deadline(now) if turn.speaking else no_input_at
-        if not turn.speaking:
-            if now >= no_input_at:
-                return _NO_INPUT
+        if not turn.speaking and self.trace.on_waiting is not None and \
+                self.call.events.empty():
             # Only now is the call waiting for the caller (mid-turn it waits for its own
             # end-of-speech timeouts): the script tester says its next step here.
-            if self.trace.on_waiting is not None and self.call.events.empty():
-                self.trace.on_waiting()
+            self.trace.on_waiting()
         getter = asyncio.ensure_future(self.call.events.get())
         waiters: set[asyncio.Future[Any]] = {getter}
         if turn.pending is not None:
             waiters.add(turn.pending)
         wait = asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        reached = None
         try:
             await self.clock.wait_for(wait, None if deadline is None else max(0.0, deadline - now))
         except TimeoutError:
-            pass
+            reached = deadline
         finally:
             if not getter.done():
                 getter.cancel()
         if not getter.done() or getter.cancelled():
-            return None
+            return None, reached
         event = getter.result()
         if isinstance(event, Hangup) or self.call.ended:
             raise _CallEnded()
-        return event
+        return event, None
 
     def _spoken(self, gather: Gather, decision: SpeechDecision) -> _Answer:
         """The answer of a spoken turn (and its trace entry and metrics)."""
