@@ -14,6 +14,8 @@ few narrow things it uses (STYLE.md rule 17). What is built, and who gets it:
   config, metrics) and the SIP endpoint (lifecycle, UAS config, metrics).
 - The engine and :class:`~gateway.tts.service.SpeechService` (loaded in the background), the
   prompt cache and the IVR runner's context, handed to the dialog factory.
+- The speech recogniser's worker pool (:class:`~gateway.asr.pool.RecognizerPool`), only when
+  the script has speech gathers; started beside the engine, handed to the runner's context.
 
 ``/healthz`` answers 200 as soon as the process serves HTTP (liveness); ``/readyz`` answers 200
 only once the model is loaded and warmed (graph capture plus one generation), so a load
@@ -34,6 +36,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from gateway.asr.pool import RecognizerPool
 from gateway.audio.condition import Conditioning
 from gateway.call.admission import Admission
 from gateway.call.events import Codec
@@ -163,6 +166,8 @@ class Gateway:
     speech: SpeechService | None = None
     ivr: RunnerContext | None = None
     sip: SipEndpoint | None = None
+    #: Where speech gathers' turns are recognised (None: no speech gathers, or speech is off).
+    recognizer: RecognizerPool | None = None
 
     @property
     def speech_service(self) -> SpeechService:
@@ -193,6 +198,47 @@ def _detectors(settings: Settings) -> DetectorFactory | None:
                                    threshold=settings.vad_threshold, codec=codec)
 
     return detector
+
+
+def _recognizer(settings: Settings, script: Script) -> RecognizerPool | None:
+    """The recogniser pool for the script's speech gathers (None, and why logged, if off)."""
+    if not script.speech_gathers():
+        return None
+    if settings.asr == "off":
+        log.warning("GATEWAY_ASR=off: the script's speech gathers (%s) take keys only",
+                    ", ".join(script.speech_gathers()))
+        return None
+    if not settings.barge_in_on_speech:
+        log.warning("speech gathers need the caller-speech detector to find the caller's turn; "
+                    "GATEWAY_BARGE_IN_ON_SPEECH is off, so they take keys only")
+        return None
+    from gateway.asr.sphinx import PocketSphinxRecognizer
+
+    return RecognizerPool(PocketSphinxRecognizer, workers=settings.asr_workers,
+                          timeout_s=settings.asr_timeout_s)
+
+
+async def _start_recognizer(gateway: Gateway) -> None:
+    """Start the recogniser's workers and compile the script's grammars; a failure leaves
+    speech gathers on keys (logged), never the gateway down."""
+    pool, script = gateway.recognizer, gateway.script
+    if pool is None or script is None:
+        return
+    t0 = gateway.clock.now()
+    try:
+        await pool.start()
+        for name in script.speech_gathers():
+            grammar = script.speech_grammar(name)
+            if grammar is not None:
+                await pool.prepare(grammar)
+    except GatewayError as exc:
+        log.error("speech recognition is unavailable (%s): speech gathers take keys only", exc)
+        return
+    except Exception:
+        log.exception("starting the speech recogniser failed: speech gathers take keys only")
+        return
+    log.info("speech recogniser ready: %s, %d worker(s), %d grammar(s) (%.1f s)", pool.name,
+             pool.workers, len(script.speech_gathers()), gateway.clock.now() - t0)
 
 
 def call_voice(settings: Settings, script: Script | None,
@@ -254,6 +300,7 @@ def create_app(
             settings.cache_dir, max_memory_bytes=settings.cache_memory_mb * 1024 * 1024,
             metrics=metrics,
         )
+        gateway.recognizer = _recognizer(settings, gateway.script)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -270,6 +317,8 @@ def create_app(
                 await gateway.sip.stop()
             loader.cancel()
             await lifecycle.close_all()
+            if gateway.recognizer is not None:
+                await gateway.recognizer.close()
             if gateway.speech is not None:
                 await asyncio.to_thread(gateway.speech.stop)
 
@@ -314,6 +363,8 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
     t0 = clock.now()
     settings = gateway.settings
     voice = call_voice(settings, gateway.script, gateway.voice)
+    # The recogniser's workers start (~2 s each) while the engine loads.
+    recognizer = asyncio.create_task(_start_recognizer(gateway))
     try:
         if settings.barge_in_on_speech:
             # The VAD model (one ONNX session shared by every call) loads before the first call.
@@ -325,6 +376,7 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
         for engine in engines:
             await asyncio.to_thread(engine.warmup, _warmup_voices(voice))
     except asyncio.CancelledError:
+        recognizer.cancel()
         raise
     except GatewayError as exc:
         gateway.readiness.fail(str(exc))
@@ -333,6 +385,7 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
         log.exception("engine start-up failed")
         gateway.readiness.fail(f"engine start-up failed: {exc}")
         return
+    await recognizer
     speech = SpeechService(
         engines,
         metrics=gateway.metrics,
@@ -409,6 +462,8 @@ async def _prepare_ivr(gateway: Gateway, engine: Engine, speaker: Speaker) -> No
         clock=gateway.clock,
         sounds={name: load_sound(script_dir(script) / name) for name in script_sounds(script)},
         clones=clones,
+        recognizer=gateway.recognizer,
+        metrics=gateway.metrics,
     )
     if settings.render_lazily:
         return

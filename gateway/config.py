@@ -136,6 +136,21 @@ class Settings(BaseSettings):
         description="Speech must last this long to barge in (line noise and 'mm-hm' do not).",
     )
     vad_threshold: float = Field(0.5, gt=0, lt=1, description="Speech probability threshold.")
+    asr: Literal["pocketsphinx", "off"] = Field(
+        "pocketsphinx",
+        description="Speech recogniser for speech gathers: pocketsphinx (built in, English, "
+        "offline) or off (speech gathers take keys only).",
+    )
+    asr_workers: int = Field(
+        1, ge=1, le=64,
+        description="Recogniser worker processes (each holds a decoder, ~60 MiB); started only "
+        "when the script has speech gathers.",
+    )
+    asr_timeout_s: float = Field(
+        5.0, gt=0, le=60,
+        description="A turn's recognition that takes longer fails: the gather falls back to keys "
+        "and the workers are restarted.",
+    )
     sip: str | None = Field(
         None, description="host:port of the SIP (UDP) endpoint, e.g. 0.0.0.0:5060; unset: none."
     )

@@ -1,4 +1,4 @@
-"""Recognisers that fail on purpose, for tests/test_asr_pool.py.
+"""Recognisers that fail on purpose, for tests/test_asr_pool.py and tests/test_speech_e2e.py.
 
 They run inside RecognizerPool's spawned worker processes, so they live in an importable
 module (the workers inherit the test run's sys.path) and are built from picklable factories.
@@ -58,3 +58,10 @@ class Flaky(Echo):
 
 def cannot_load() -> Echo:
     raise RuntimeError("no model here")
+
+
+class Broken(_Base):
+    """Fails every turn, as a decoder whose model went bad would (tests/test_speech_e2e.py)."""
+
+    def recognize(self, pcm: npt.NDArray[np.int16], grammar: SpeechGrammar) -> RecognitionResult:
+        raise RecognizerError("the decoder failed on this turn")
