@@ -6,6 +6,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ import uvicorn
 from conftest import AUTH_TOKEN, DEMO_SCRIPT, LiveServer, serve
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response
+from sip_peers import wait_until
 
 from gateway.cli import main
 from gateway.loadsim.model import evaluate, parse_slo
@@ -608,6 +610,68 @@ def call_budget(live: LiveServer, max_calls: int) -> Iterator[None]:
         yield
     finally:
         admission.max_calls = saved
+
+
+@pytest.mark.parametrize("transport", ["twilio", "sip"])
+def test_a_caller_can_say_its_turn_from_a_recording_instead_of_pressing_keys(
+    gateway: LiveServer, tmp_path: Path, transport: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A flite recording of "agent" as the turn: the demo's speech menu routes the call to an
+    agent, and the turn's first audio is measured from the end of the recording."""
+    import shutil
+    import subprocess
+
+    flite = shutil.which("flite")
+    assert flite, "flite is not installed: apt-get install -y flite (.ci/run does)"
+    wav = tmp_path / "agent.wav"
+    subprocess.run([flite, "-voice", "slt", "-t", "agent", "-o", str(wav)], check=True)
+    target = gateway.base_url if transport == "twilio" else _sip_target(gateway)
+    before = _speech_turns(gateway)
+    config = LoadConfig(target=target, transport=transport, http=gateway.base_url,
+                        auth_token=AUTH_TOKEN, digits=[f"say:{wav}"], think_s=0.5,
+                        listen_s=0.5, duration_s=0.5, turn_timeout_s=10.0)
+    with caplog.at_level(logging.INFO, logger="gateway.ivr.runner"):
+        level = run_level(config, 1, 0)
+        # The call's trace is logged when its dialog ends, just after the simulator hung up.
+        wait_until(lambda: _traces(caplog), 10, "the call's trace")
+    (call,) = level.calls
+    assert call.outcome == "completed", call
+    answer, spoken = call.turns
+    assert answer.kind == "answer" and answer.first_audio_ms is not None
+    assert spoken.kind == "speech" and spoken.keys == f"say:{wav}"
+    # The agent prompt answers the turn: within the gateway's end-of-speech timeout plus the
+    # recognition, not seconds later (the menu's no-input timeout is 5 s).
+    assert spoken.first_audio_ms is not None and 150 < spoken.first_audio_ms < 3000, spoken
+    assert _speech_turns(gateway) == before + 1
+    (trace,) = _traces(caplog)
+    assert ["menu", "said: agent"] in [[c["node"], c["chose"]] for c in trace["choices"]]
+    assert trace["path"][:3] == ["welcome", "menu", "agent"]
+    print(f"\nloadsim {transport} speech turn: first audio {spoken.first_audio_ms:.0f} ms "
+          "after the end of the caller's speech")
+
+
+def _traces(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [r.data["trace"] for r in caplog.records  # type: ignore[attr-defined]
+            if r.getMessage() == "ivr trace"]
+
+
+def _speech_turns(live: LiveServer) -> float:
+    value = live.gateway.metrics.registry.get_sample_value(
+        "gateway_speech_turns_total", {"transport": "twilio", "result": "match"})
+    sip = live.gateway.metrics.registry.get_sample_value(
+        "gateway_speech_turns_total", {"transport": "sip", "result": "match"})
+    return (value or 0.0) + (sip or 0.0)
+
+
+def test_a_speech_turn_whose_recording_cannot_be_read_stops_the_run(tmp_path: Path) -> None:
+    from gateway.errors import GatewayError
+    from gateway.loadsim.speech import speech_frames
+
+    with pytest.raises(GatewayError, match="cannot read the speech for turn"):
+        speech_frames(f"say:{tmp_path / 'missing.wav'}")
+    code = main(["loadsim", "run", "http://127.0.0.1:9", "--digits",
+                 f"say:{tmp_path / 'missing.wav'}", "--duration", "1"])
+    assert code != 0
 
 
 def _sip_target(live: LiveServer) -> str:

@@ -31,6 +31,7 @@ from gateway.loadsim.runner import (
     result_document,
     run_level,
 )
+from gateway.loadsim.speech import is_speech, speech_frames
 
 loadsim_app = typer.Typer(no_args_is_help=True,
                           help="Call-load simulator: how many callers one gateway holds.")
@@ -69,6 +70,9 @@ def _config(target: str, transport: str, scenario: str, digits: str, think: floa
         raise GatewayError("--backoff must be 0 or more seconds")
     token = auth_token if auth_token is not None else os.environ.get("GATEWAY_TWILIO_AUTH_TOKEN")
     pattern = "rate" if rate > 0 else "ramp" if ramp_from is not None else "concurrency"
+    for turn in digits.split(","):
+        if is_speech(turn):
+            speech_frames(turn)  # a recording that cannot be read stops the run here
     return LoadConfig(target=target, transport=transport, auth_token=token or None,
                       scenario=scenario, digits=[d for d in digits.split(",") if d],
                       think_s=think, listen_s=listen, duration_s=duration, workers=workers,
@@ -173,7 +177,8 @@ ScenarioOpt = Annotated[str, typer.Option(
     help="menu, barge-in, hangup, or live (every turn a live sentence: run it against a "
          "gateway without --script).")]
 DigitsOpt = Annotated[str, typer.Option(
-    help="Keys per turn, comma-separated, e.g. '1,123456#,3' (live: one key per turn).")]
+    help="Keys per turn, comma-separated, e.g. '1,123456#,3' (live: one key per turn); "
+         "say:FILE.wav says that recording instead (e.g. say:agent.wav,3).")]
 ThinkOpt = Annotated[float, typer.Option(help="Seconds after a prompt starts before pressing.")]
 ListenOpt = Annotated[float, typer.Option(help="Seconds to listen after the last keys.")]
 DurationOpt = Annotated[float, typer.Option(help="Seconds per level.")]

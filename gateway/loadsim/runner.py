@@ -8,7 +8,9 @@ POSTs the voice webhook and opens the Media Stream its TwiML names
 
 - ``menu``: listen to the greeting, then for each entry of ``digits`` wait ``think`` seconds
   after the prompt starts and press the keys (a key pressed while a prompt still plays is a
-  barge-in), then listen ``listen`` seconds and hang up;
+  barge-in), then listen ``listen`` seconds and hang up. An entry ``say:PATH.wav`` says that
+  recording instead (:mod:`gateway.loadsim.speech`), and its turn is measured from the end of
+  the speech, as the gateway's speech gathers measure it;
 - ``barge-in``: press a key while the first prompt plays, measuring key -> ``clear`` (Twilio)
   or key -> speech stops (SIP);
 - ``hangup``: hang up in the middle of the first utterance;
@@ -49,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from gateway.loadsim.model import CallRecord, Level, Turn, percentiles
+from gateway.loadsim.speech import is_speech, speech_frames
 
 if TYPE_CHECKING:
     import httpx
@@ -126,9 +129,11 @@ class LoadConfig:
         return parts.hostname or "127.0.0.1", parts.port or 5060
 
     def turns(self) -> list[str]:
-        """The keys of each turn after the answer (``live``: one key per turn)."""
+        """The keys of each turn after the answer (``live``: one key per turn), or a
+        ``say:PATH`` recording."""
         if self.scenario == "live":
-            return [key for entry in self.digits for key in entry]
+            return [key for entry in self.digits
+                    for key in ([entry] if is_speech(entry) else entry)]
         if self.scenario == "barge-in":
             return [(self.digits[0][:1] if self.digits and self.digits[0] else "9")]
         return list(self.digits)
@@ -176,6 +181,9 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
         import gateway.demo  # noqa: F401
 
         config.greeting_text()
+    for turn in config.turns():
+        if is_speech(turn):
+            speech_frames(turn)  # read and coded once per process
     ticker = Ticker()
     ticker.start()
     rng = random.Random(config.seed * 1000 + worker)
@@ -300,6 +308,9 @@ class _Leg(Protocol):
     async def press(self, key: str) -> float:
         """Press one key; the time it went out."""
 
+    async def speak(self, frames: tuple[bytes, ...]) -> float:
+        """Say these 20 ms mu-law frames; the time the last one went out."""
+
     def playing(self, now: float) -> bool:
         """Whether the caller is still hearing audio."""
 
@@ -344,7 +355,11 @@ async def _scenario(config: LoadConfig, leg: _Leg, t0: float, rng: random.Random
         kind = "barge_in" if config.scenario == "barge-in" or (not live and leg.playing(now)) \
             else "dtmf"
         pressed = 0.0
-        for index, key in enumerate(keys):
+        if is_speech(keys):
+            # The turn is the end of the caller's speech (the gateway's turn time too).
+            kind = "speech"
+            pressed = await leg.speak(speech_frames(keys))
+        for index, key in enumerate(keys if kind != "speech" else ""):
             sent = await leg.press(key)
             pressed = sent if index == 0 else pressed
             if leg.key_gap_s and index < len(keys) - 1:
@@ -396,6 +411,9 @@ class _TwilioLeg:
 
     async def press(self, key: str) -> float:
         return await self.caller.press(key)
+
+    async def speak(self, frames: tuple[bytes, ...]) -> float:
+        return await self.caller.speak(frames)
 
     def playing(self, now: float) -> bool:
         return self.caller.playing(now)
@@ -524,6 +542,9 @@ class _SipLeg:
 
     async def press(self, key: str) -> float:
         return await self.caller.send_dtmf(key)
+
+    async def speak(self, frames: tuple[bytes, ...]) -> float:
+        return await self.caller.speak(frames)
 
     def playing(self, now: float) -> bool:
         return self.caller.rtp.speaking_at(now)

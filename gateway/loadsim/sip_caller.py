@@ -812,6 +812,8 @@ class SipCaller:
         self.local_rtp: tuple[str, int] | None = None
 
         self._audio: Iterator[bytes] | None = iter(audio) if audio is not None else None
+        self._spoken: asyncio.Future[float] | None = None
+        self._audio_at = 0.0  # when the latest frame of ``_audio`` went out
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sip: asyncio.DatagramTransport | None = None
         self._rtp_transport: asyncio.DatagramTransport | None = None
@@ -967,6 +969,14 @@ class SipCaller:
     def play(self, frames: Iterable[bytes]) -> None:
         """Send these 160-byte mu-law frames from the next 20 ms tick on, then silence."""
         self._audio = iter(frames)
+
+    async def speak(self, frames: Iterable[bytes]) -> float:
+        """:meth:`play` ``frames`` and return the time (the caller's clock) the last one was
+        sent: the end of the caller's speech."""
+        done: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._spoken = done
+        self.play(frames)
+        return await done
 
     async def send_dtmf(self, digit: str, duration_ms: int = 100) -> float:
         """Send one RFC 4733 event; returns the monotonic time its first packet was sent.
@@ -1461,7 +1471,11 @@ class SipCaller:
             frame = next(self._audio, None)
             if frame is None:
                 self._audio = None
+                spoken, self._spoken = self._spoken, None
+                if spoken is not None and not spoken.done():
+                    spoken.set_result(self._audio_at)
             elif len(frame) == FRAME_SAMPLES:
+                self._audio_at = self._clock()
                 return frame
             else:
                 self._error(f"rtp: audio frame of {len(frame)} bytes, expected {FRAME_SAMPLES}")

@@ -36,6 +36,7 @@ import json
 import logging
 import time
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -315,6 +316,9 @@ class TwilioCaller:
         self._echoer: asyncio.Task[None] | None = None
         #: Set on every message from the gateway and when the stream closes.
         self.changed = asyncio.Event()
+        # Caller speech to send in place of silence (base64 payloads), and who waits for its end.
+        self._speech: list[str] = []
+        self._spoken: asyncio.Future[float] | None = None
         self._media_prefix = ('{"event":"media","streamSid":"' + self.stream_sid
                               + '","media":{"track":"inbound","chunk":"')
 
@@ -380,17 +384,34 @@ class TwilioCaller:
         await self._ws.send(json.dumps(message))
 
     async def send_media(self) -> None:
-        """20 ms of (silent) caller audio, built from a template (no json.dumps per frame)."""
+        """20 ms of caller audio (silence, or the speech being said), built from a template
+        (no json.dumps per frame)."""
         ws = self._ws
         if ws is None or self.heard.closed_at is not None:
             return
         self._chunk += 1
         self._seq += 1
         chunk = str(self._chunk)
+        speaking = bool(self._speech)
+        payload = self._speech.pop() if speaking else _SILENCE
         text = (self._media_prefix + chunk + '","timestamp":"' + str(self._chunk * 20)
-                + '","payload":"' + _SILENCE + '"},"sequenceNumber":"' + str(self._seq) + '"}')
+                + '","payload":"' + payload + '"},"sequenceNumber":"' + str(self._seq) + '"}')
         with contextlib.suppress(websockets.ConnectionClosed):
             await ws.send(text)
+        if speaking and not self._speech and self._spoken is not None:
+            if not self._spoken.done():
+                self._spoken.set_result(time.monotonic())
+            self._spoken = None
+
+    async def speak(self, frames: Sequence[bytes]) -> float:
+        """Say ``frames`` (20 ms of mu-law each) in place of silence, from the next tick on;
+        returns the monotonic time the last one was sent (the end of the caller's speech)."""
+        if not frames:
+            return time.monotonic()
+        self._speech = [base64.b64encode(f).decode() for f in reversed(frames)]
+        done: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._spoken = done
+        return await done
 
     async def press(self, digit: str) -> float:
         """Send one DTMF key; returns the monotonic time it was sent."""
