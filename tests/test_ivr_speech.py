@@ -211,6 +211,7 @@ async def test_a_spoken_phrase_routes_and_the_turn_counts_from_the_end_of_speech
     assert (heard.node, heard.result, heard.branch, heard.said) == (
         "menu", "match", "billing", "billing")
     assert heard.at == ended and heard.decision_ms == pytest.approx(200.0)
+    assert heard.recognitions == 1
     assert ("menu", "said: billing") in h.runner.trace.choices
     assert h.counted("match") == 1
 

@@ -620,7 +620,7 @@ class IvrRunner:
             heard="*" if private and r.transcript else r.transcript,
             confidence=round(r.confidence, 3), speech_s=round(r.audio_s, 2),
             decision_ms=round(1000 * (decision.decided_at - decision.ended_at), 1),
-            reason=r.reason,
+            reason=r.reason, recognitions=decision.recognitions,
         )
         self.trace.speech.append(entry)
         if metrics is not None:

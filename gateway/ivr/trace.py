@@ -66,6 +66,8 @@ class Recognised:
     decision_ms: float = 0.0
     #: Why it was no match or failed, in words.
     reason: str | None = None
+    #: Recognitions run for the turn (one per pause that got one: what it cost).
+    recognitions: int = 0
 
 
 @dataclass
