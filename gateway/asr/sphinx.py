@@ -45,11 +45,25 @@ onto some phrase. Measured, best first:
 Near-miss single words ("building" for "billing", "agency" for "agent") are still accepted
 most of the time; ``bench/asr.py`` reports them in a row of their own.
 
+**Digit strings** are this model's weak spot over the telephone band: 41.7 % of the dev half's
+six-digit strings are recognised exactly (4.2 % of sentences accepted as digits). The grammar
+pass alone, with no rejection at all, gets only 46 % exact: its digit errors are mostly "six"
+heard as five, three or two (34 of 91; the /s/ of "six" lies above 4 kHz, where telephone
+audio has nothing and the 16 kHz model expects frication) and "nine" as "one". Measured and
+not better: wider beams (-beam 1e-80, -wbeam 1e-60: 41/96, at 17x the CPU), noise floors 28
+and 40 dB under the speech (39 and 45/96), folding the 0-4 kHz band into 4-8 kHz as a crude
+bandwidth extension (34-37/96), a stronger digit-to-digit weight in the open pass (worse), and
+other acceptance rules (digit words heard by the open pass, lattice posteriors): none passes
+the grammar pass's ceiling, so the figure needs a better acoustic model (an 8 kHz one), not
+tuning here. Keys remain the reliable way to enter an account number.
+
 **Cost.** About 0.1 s of CPU per second of audio for both passes together (the open pass is
 ~85 % of it), so one core holds ~10 callers listening at once (``bench/asr.py`` measures it).
-Decoding runs on the whole turn at its end: streaming the open pass as frames arrive (live
+Each decode is of the whole turn so far: streaming the open pass as frames arrive (live
 cepstral mean from a telephone prior) measured 1-2 points worse and would leave ~40 % of the
-work (its second and lattice passes) at the end anyway. PocketSphinx holds the GIL for the
+work (its second and lattice passes) at the end anyway. The gateway decodes at each pause of a
+turn (:mod:`gateway.ivr.listening`), so a turn costs one decode per pause that got one (the
+call's trace counts them). PocketSphinx holds the GIL for the
 whole of a decode (a 0.3 s decode blocked another thread for 0.19 s), hence the worker
 processes of :mod:`gateway.asr.pool`.
 """
