@@ -1,8 +1,11 @@
-"""Speech menus: accuracy, rejection, digits and CPU cost of the built-in recogniser.
+"""Speech menus: accuracy, rejection, digits and CPU of the built-in recogniser, and the end of
+speech -> first audio through a real gateway.
 
-    python bench/asr.py            # dev + test halves, all line conditions (~10 min, 2 cores)
-    python bench/asr.py --quick    # test half, 2 voices, clean + 20 dB noise (~1.5 min)
-    python bench/asr.py --sweep    # also: accuracy / false accepts per confidence threshold
+    python bench/asr.py              # test half, all line conditions, + the gateway path (~15 min)
+    python bench/asr.py --dev        # also the dev half the recogniser was tuned on
+    python bench/asr.py --quick      # test half, 2 voices, clean + 20 dB noise, 20 gateway turns
+    python bench/asr.py --sweep      # with --dev: accuracy / false accepts per confidence threshold
+    python bench/asr.py --no-gateway # the corpus only
 
 The corpus (bench/asr_corpus.py) is synthesised here with flite and espeak-ng and passed
 through the 8 kHz G.711 mu-law path. Every utterance is recognised through a RecognizerPool
@@ -18,7 +21,14 @@ Accuracy (per split and line condition):
 
 RESULT lines report the test half over the target conditions (stress conditions are shown
 but left out). CPU is thread CPU time inside the workers; "callers per core" is audio seconds
-per CPU second: how many callers, all speaking at once, one core keeps up with.
+per CPU second: how many callers, all speaking at once, one core keeps up with (one
+recognition per utterance; the gateway recognises each pause of a turn, see the gateway-path
+table for recognitions per turn).
+
+The gateway path (bench/asr_gateway.py): a real `gateway serve` (tiny model, the demo script,
+its prompt cache) and the load simulator's Twilio callers saying the menu's "repeat" phrases
+while the menu plays; end of the caller's speech -> the restarted menu's first frame, against
+the same menu turn by key ("9") in the same gateway as the baseline.
 """
 
 from __future__ import annotations
@@ -39,17 +49,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from asr_corpus import CONDITIONS, GRAMMARS, Utterance, utterances  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from asr_corpus import CONDITIONS, GRAMMARS, Utterance, utterances
+from rich.console import Console
+from rich.table import Table
 
-from gateway.asr.base import RecognitionResult  # noqa: E402
-from gateway.asr.pool import RecognizerPool  # noqa: E402
-from gateway.asr.sphinx import MIN_CONFIDENCE, PocketSphinxRecognizer  # noqa: E402
-from gateway.asr.synth import phone_line, synthesize  # noqa: E402
-from gateway.audio.g711 import ulaw_decode  # noqa: E402
+from gateway.asr.base import RecognitionResult
+from gateway.asr.pool import RecognizerPool
+from gateway.asr.sphinx import MIN_CONFIDENCE, PocketSphinxRecognizer
+from gateway.asr.synth import phone_line, synthesize
+from gateway.audio.g711 import ulaw_decode
 
 TARGETS = {"in-menu": 0.95, "FA": 0.05, "digits": 0.90}
+#: End of speech -> the recognised branch's first audio (cached prompt), p95, ms.
+LATENCY_TARGET_MS = 300.0
 
 
 def _audio(u: Utterance) -> np.ndarray:
@@ -119,13 +131,18 @@ def _table(title: str, rows: list[tuple[str, dict[str, tuple[int, int]]]]) -> Ta
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="test half, 2 voices, 2 conditions")
+    parser.add_argument("--dev", action="store_true", help="also the dev half")
     parser.add_argument("--sweep", action="store_true", help="threshold sweep on the dev half")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--errors", action="store_true", help="list every error")
+    parser.add_argument("--no-gateway", action="store_true", help="skip the gateway path")
+    parser.add_argument("--turns", type=int, default=60,
+                        help="speech turns (and as many key turns) through the gateway")
     args = parser.parse_args(argv)
     console = Console(width=140)
 
-    items = utterances(("test",) if args.quick else ("dev", "test"), quick=args.quick)
+    items = utterances(("dev", "test") if args.dev and not args.quick else ("test",),
+                       quick=args.quick)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(4) as ex:  # synthesisers are subprocesses: threads overlap them
         audio = list(ex.map(_audio, items))
@@ -146,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 await pool.prepare(g)
             start = time.perf_counter()
 
-            def progress(n: int, label: str = label) -> None:
+            def progress(n: int, label: str = label, start: float = start) -> None:
                 if n % 100 == 0 or n == len(items):
                     console.print(f"  {label}: {n}/{len(items)} "
                                   f"({time.perf_counter() - start:.0f} s)")
@@ -219,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu = sum(r.cpu_s for r in shipped)
     cpu_base = sum(r.cpu_s for r in baseline)
     per_audio = cpu / audio_s
+    per_turn = statistics.median(r.cpu_s for r in shipped) * 1000
     console.print(f"CPU: shipped {cpu:.1f} s, grammar pass alone {cpu_base:.1f} s, for "
-                  f"{audio_s:.0f} s of audio; per turn p50 {statistics.median(r.cpu_s for r in shipped) * 1000:.0f} ms")
+                  f"{audio_s:.0f} s of audio; per turn p50 {per_turn:.0f} ms")
     lat = sorted(latency)
     p95 = lat[min(len(lat) - 1, round(0.95 * (len(lat) - 1)))]
     console.print(f"end of speech -> result (one turn at a time, via a worker process): "
@@ -246,7 +264,49 @@ def main(argv: list[str] | None = None) -> int:
         f"RESULT asr cost: {per_audio:.3f} CPU s per audio s = {1 / per_audio:.1f} speaking "
         f"callers per core; rejection costs {cpu / cpu_base:.2f}x the grammar pass alone",
         markup=False, highlight=False)
+    if not args.no_gateway:
+        _gateway_path(console, 20 if args.quick else args.turns)
     return 0
+
+
+def _gateway_path(console: Console, turns: int) -> None:
+    from asr_gateway import measure
+
+    console.print(f"gateway path: {turns} speech turns and {turns} key turns through a real "
+                  "gateway (starting it; the first run renders the demo's prompts)")
+    out = measure(turns)
+
+    def p(values: list[float], q: float) -> float:
+        return float(np.percentile(values, q)) if values else float("nan")
+
+    table = Table(title="end of the caller's turn -> first frame of the answer (cached menu)")
+    for c in ("turn", "n", "p50 ms", "p95 ms", "max ms"):
+        table.add_column(c, justify="right")
+    table.add_row("speech (recognised)", str(len(out.speech_ms)), f"{p(out.speech_ms, 50):.0f}",
+                  f"{p(out.speech_ms, 95):.0f}", f"{max(out.speech_ms, default=float('nan')):.0f}")
+    table.add_row("key 9 (baseline)", str(len(out.key_ms)), f"{p(out.key_ms, 50):.0f}",
+                  f"{p(out.key_ms, 95):.0f}", f"{max(out.key_ms, default=float('nan')):.0f}")
+    table.add_row("gateway: detector's end of speech -> decision", str(len(out.decision_ms)),
+                  f"{p(out.decision_ms, 50):.0f}", f"{p(out.decision_ms, 95):.0f}",
+                  f"{max(out.decision_ms, default=float('nan')):.0f}")
+    console.print(table)
+    recog = out.recognitions
+    console.print(f"recognitions per turn: mean {np.mean(recog) if recog else float('nan'):.2f}, "
+                  f"max {max(recog, default=0)}; speech turns not recognised as 'repeat': "
+                  f"{out.missed} of {out.missed + len(out.speech_ms)}; load average "
+                  f"{out.load[0]:.1f} / {out.load[1]:.1f} / {out.load[2]:.1f}")
+    for line in out.heard:
+        if not line.split(": ", 1)[1].startswith("match menu"):
+            console.print(f"  not 'repeat': {line}", markup=False, highlight=False)
+    p95, base = p(out.speech_ms, 95), p(out.key_ms, 95)
+    met = p95 <= LATENCY_TARGET_MS
+    console.print(
+        f"RESULT asr gateway path: end of speech -> recognised branch's first audio p95 "
+        f"{p95:.0f} ms (target <= {LATENCY_TARGET_MS:.0f} ms: "
+        f"{'met' if met else 'NOT MET'}), p50 {p(out.speech_ms, 50):.0f} ms; "
+        f"{p95 / base:.1f}x the key turn's p95 {base:.0f} ms in the same gateway; "
+        f"{len(out.speech_ms)} recognised of {len(out.speech_ms) + out.missed} speech turns",
+        markup=False, highlight=False)
 
 
 if __name__ == "__main__":

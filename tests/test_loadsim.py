@@ -663,6 +663,28 @@ def _speech_turns(live: LiveServer) -> float:
     return (value or 0.0) + (sip or 0.0)
 
 
+def test_a_recording_becomes_20_ms_mu_law_frames_of_its_speech_only(tmp_path: Path) -> None:
+    import numpy as np
+    import soundfile as sf
+
+    from gateway.audio.g711 import ulaw_decode
+    from gateway.loadsim.speech import speech_frames
+
+    rate = 16000
+    tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(rate // 2) / rate)  # 0.5 s of "speech"
+    silence = np.zeros(rate // 4)
+    stereo = np.stack([np.concatenate([silence, tone, silence])] * 2, axis=1)
+    wav = tmp_path / "tone.wav"
+    sf.write(wav, stereo, rate)
+    frames = speech_frames(f"say:{wav}")
+    assert all(len(f) == 160 for f in frames)
+    # The silent head and tail (0.5 s) are trimmed: the turn ends where the speech does (the
+    # resampler's ringing may reach one frame further).
+    assert 25 <= len(frames) <= 26
+    pcm = ulaw_decode(b"".join(frames)).astype(float) / 32768
+    assert 0.2 < float(np.sqrt(np.mean(pcm[:3900] ** 2))) < 0.22  # 0.3 peak sine: 0.212 RMS
+
+
 def test_a_speech_turn_whose_recording_cannot_be_read_stops_the_run(tmp_path: Path) -> None:
     from gateway.errors import GatewayError
     from gateway.loadsim.speech import speech_frames
