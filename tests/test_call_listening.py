@@ -168,3 +168,33 @@ def test_the_recent_audio_ring_keeps_the_last_bytes_in_order() -> None:
     assert ring.last(10) == b"defghijklm" and ring.last(4) == b"jklm"
     ring.push(b"0123456789abc")
     assert ring.last(10) == b"3456789abc"
+
+
+async def test_speech_a_listener_heard_is_not_heard_again_by_the_next(
+    caller: tuple[bytes, float],
+) -> None:
+    """A gather decides 200 ms into the caller's pause, while the detector still calls them
+    speaking; the next gather (the node the answer chose) must not hear the same words."""
+    audio, speech_end = caller
+    clock = VirtualClock()
+    detector = SpeechStartDetector()
+    call = Call("CA4", _Transport(), clock, transport_name="twilio", detector=detector)
+    first, second = _Listener(), _Listener()
+    call.listen(first)
+    switched: list[float] = []
+
+    def decide(frame: int) -> None:
+        # 200 ms after the pause began: the first gather decides and the next one listens.
+        if not switched and detector.pause_start is not None and detector.speaking and \
+                clock.now() >= speech_end + 0.2:
+            call.listen(None)
+            call.listen(second)
+            switched.append(clock.now())
+
+    await _play(call, clock, audio, during=decide)
+    assert switched and detector.events == 1
+    assert first.log[0][0] == "started"
+    assert second.log == [] and second.bytes == len(audio) // FRAME * FRAME - (
+        round(switched[0] / 0.02) * FRAME)
+    await call.close()
+

@@ -282,6 +282,9 @@ class Call:
         self.listening = detector is not None
         self._listener: InboundListener | None = None
         self._recent = _Recent(round(RECENT_S * _RATE)) if detector is not None else None
+        # The detector's sample count when the last listener stopped: speech that started
+        # before it was that listener's (heard, or given up for keys), never the next one's.
+        self._listened_until = 0
         if watch is None:
             watch = InactivityWatch(clock, inactivity_s, transport=transport_name,
                                     metrics=metrics, on_expired=self._inactive, label=call_id)
@@ -370,16 +373,25 @@ class Call:
         A caller already speaking when listening starts (talking over a prompt no gather
         listened to, say the greeting) starts the listener's turn at once, with the audio since
         their speech began (up to :data:`RECENT_S`), so what they are saying is heard whole.
+        Speech that began while the previous listener listened was its turn (the answer that
+        led here): the detector still calls it speaking for a moment, but it is not heard again.
         """
-        self._listener = listener
+        previous, self._listener = self._listener, listener
         detector = self._detector
-        if listener is None or detector is None or not self.listening or not detector.speaking:
+        if detector is None:
+            return
+        if previous is not None and listener is None:
+            self._listened_until = detector.samples
+        if listener is None or not self.listening or not detector.speaking:
+            return
+        started = detector.last_event_sample
+        if started is None or started <= self._listened_until:
             return
         now = self.clock.now()
         # Started first: a listener keeps only a short pre-roll of what it hears before speech.
         listener.speech_started(now)
-        if self._recent is not None and detector.last_event_sample is not None:
-            since = detector.samples - detector.last_event_sample + round(PRE_ROLL_S * _RATE)
+        if self._recent is not None:
+            since = detector.samples - started + round(PRE_ROLL_S * _RATE)
             listener.feed(self._recent.last(since))
         if detector.pause_start is not None:
             listener.speech_paused(now - (detector.samples - detector.pause_start) / _RATE)
