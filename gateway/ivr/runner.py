@@ -94,7 +94,6 @@ class _Answer:
 
     digits: str = ""
     branch: str | None = None
-    spoken: bool = False
     failed: bool = False
 
 
@@ -594,11 +593,11 @@ class IvrRunner:
         self._turn_at = decision.ended_at
         if result.matched:
             if result.branch is not None:
-                return _Answer(branch=result.branch, spoken=True)
-            return _Answer(result.digits or "", spoken=True)
+                return _Answer(branch=result.branch)
+            return _Answer(result.digits or "")
         log.info("call %s: %s heard no answer: %s", self.call.call_id, self.path[-1],
                  result.reason or result.status.value)
-        return _Answer("", spoken=True)
+        return _Answer("")
 
     def _heard_speech(self, gather: Gather, decision: SpeechDecision | None, *,
                       failed: str | None = None) -> None:
