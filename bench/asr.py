@@ -302,7 +302,7 @@ def _gateway_path(console: Console, turns: int) -> None:
     met = p95 <= LATENCY_TARGET_MS
     console.print(
         f"RESULT asr gateway path: end of speech -> recognised branch's first audio p95 "
-        f"{p95:.0f} ms (target <= {LATENCY_TARGET_MS:.0f} ms: "
+        f"{p95:.1f} ms (target <= {LATENCY_TARGET_MS:.0f} ms: "
         f"{'met' if met else 'NOT MET'}), p50 {p(out.speech_ms, 50):.0f} ms; "
         f"{p95 / base:.1f}x the key turn's p95 {base:.0f} ms in the same gateway; "
         f"{len(out.speech_ms)} recognised of {len(out.speech_ms) + out.missed} speech turns",
