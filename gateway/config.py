@@ -210,6 +210,13 @@ class Settings(BaseSettings):
         description="A Media Stream with no inbound message for this long is dead (Twilio sends "
         "media every 20 ms) and its call is ended; 0: never.",
     )
+    twilio_reservation_s: float = Field(
+        5, ge=0, le=60,
+        description="How long the voice webhook holds a seat for the Media Stream it answers "
+        "with (Twilio connects it within a second or two); an unclaimed one lapses. 0: hold "
+        "none, only check there is room (a fleet behind a load balancer without stickiness, "
+        "where the stream may connect to any replica).",
+    )
     frames_per_message: int = Field(
         50, ge=1, le=500, description="Max 20 ms frames batched into one outbound media message."
     )

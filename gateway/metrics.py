@@ -61,6 +61,12 @@ class Metrics:
             ["transport", "reason"],
             registry=r,
         )
+        self.seats = Gauge(
+            "gateway_seats",
+            "Seats of GATEWAY_MAX_CALLS taken: by calls (ringing SIP calls included) or by voice "
+            "webhook reservations whose streams have not connected here yet.",
+            ["kind"], registry=r,
+        )
         self.draining = Gauge(
             "gateway_draining", "1 from SIGTERM until exit: no new calls are taken.", registry=r
         )

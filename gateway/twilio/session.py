@@ -68,8 +68,8 @@ class TwilioConfig:
     max_lead_s: float = 1.0
     frames_per_message: int = 50
     #: How long the voice webhook holds a seat for a stream that has not connected yet (Twilio
-    #: connects within a second or two; a call that never streams gives its seat back).
-    reservation_s: float = 30.0
+    #: connects within a second or two; a call that never streams gives its seat back). 0: none.
+    reservation_s: float = 5.0
     busy_message: str = "Sorry, all our lines are busy right now."
 
     @classmethod
@@ -79,6 +79,7 @@ class TwilioConfig:
             idle_timeout_s=settings.twilio_idle_timeout_s,
             max_lead_s=settings.twilio_max_lead_ms / 1000,
             frames_per_message=settings.frames_per_message,
+            reservation_s=settings.twilio_reservation_s,
             busy_message=settings.busy_message,
         )
 
