@@ -39,6 +39,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The twilio library's HTTP client logs each request's method, URL and headers, and each
+#: response's, at INFO: a dozen lines per update, beside the one line here that says what was
+#: sent for which call. Set this logger to INFO to see them.
+_http_log = logging.getLogger(__name__ + ".http")
+_http_log.setLevel(logging.WARNING)
+
 __all__ = ["DEFAULT_API_BASE", "CallUpdater"]
 
 DEFAULT_API_BASE = "https://api.twilio.com"
@@ -108,7 +114,7 @@ class CallUpdater:
         from twilio.http.async_http_client import AsyncTwilioHttpClient
         from twilio.rest import Client
 
-        self._http = AsyncTwilioHttpClient(timeout=self._timeout_s)
+        self._http = AsyncTwilioHttpClient(timeout=self._timeout_s, logger=_http_log)
         self._client = Client(self._username, self._password, self.account_sid,
                               http_client=self._http)
         # The REST domain's base URL: Twilio's, or a stand-in (tests, a regional host).
