@@ -11,7 +11,8 @@ few narrow things it uses (STYLE.md rule 17). What is built, and who gets it:
   greeter), installed once the engine is ready.
 - :class:`~gateway.call.lifecycle.CallLifecycle` over those: what both transports ask.
 - The transports: the Twilio routes (lifecycle, signature checker, outcome store, their
-  config, metrics) and the SIP endpoint (lifecycle, UAS config, metrics).
+  config, metrics, and on a fleet the live-call updater that sends outcomes to Twilio's REST
+  API) and the SIP endpoint (lifecycle, UAS config, metrics).
 - The engine and :class:`~gateway.tts.service.SpeechService` (loaded in the background), the
   prompt cache and the IVR runner's context, handed to the dialog factory.
 
@@ -62,6 +63,7 @@ from gateway.sip.endpoint import SipEndpoint
 from gateway.speech import Speaker, Voice
 from gateway.tts.engine import Engine, VoicePrompt
 from gateway.tts.service import SpeechService
+from gateway.twilio.rest import CallUpdater
 from gateway.twilio.routes import build_router
 from gateway.twilio.session import Outcomes, TwilioConfig
 from gateway.twilio.signature import SignatureChecker
@@ -163,6 +165,8 @@ class Gateway:
     speech: SpeechService | None = None
     ivr: RunnerContext | None = None
     sip: SipEndpoint | None = None
+    #: Live-call updates through Twilio's REST API (GATEWAY_TWILIO_ACCOUNT_SID), or None.
+    updater: CallUpdater | None = None
 
     @property
     def speech_service(self) -> SpeechService:
@@ -242,6 +246,7 @@ def create_app(
         outcomes=Outcomes(),
         signatures=SignatureChecker(None if settings.insecure else token, settings.public_url),
         twilio=TwilioConfig.from_settings(settings),
+        updater=CallUpdater.from_settings(settings, clock, metrics),
     )
     if settings.script is not None:
         # Refuse to start with an invalid script (ScriptError lists every problem), or with a
@@ -262,6 +267,8 @@ def create_app(
             # with OPTIONS still sees the endpoint alive). Before the engine starts loading: a
             # bind that fails stops start-up with no load thread left running behind it.
             gateway.sip = await _start_sip(gateway, sip_socket)
+        if gateway.updater is not None:
+            await gateway.updater.start()
         loader = asyncio.create_task(_load(gateway, engine_factory))
         try:
             yield
@@ -270,6 +277,8 @@ def create_app(
                 await gateway.sip.stop()
             loader.cancel()
             await lifecycle.close_all()
+            if gateway.updater is not None:
+                await gateway.updater.close()
             if gateway.speech is not None:
                 await asyncio.to_thread(gateway.speech.stop)
 
@@ -304,7 +313,7 @@ def create_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     app.include_router(build_router(lifecycle, gateway.signatures, gateway.outcomes,
-                                    gateway.twilio, metrics))
+                                    gateway.twilio, metrics, gateway.updater))
     return app
 
 

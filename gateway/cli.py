@@ -149,17 +149,22 @@ def serve(
             "--insecure: Twilio signatures are NOT validated; never expose this to the internet"
         )
     from gateway.ivr.script import ScriptError
+    from gateway.net import bind
 
+    # First: every listening socket. A port in use is one line (ConfigError) naming its
+    # setting, before the script, the cache or the model is touched, and nothing is left
+    # loading behind it (uvicorn binds HTTP only after the app's lifespan has started the load).
+    http_socket = bind(settings.host, settings.port, kind="tcp", what="HTTP server",
+                       variable="GATEWAY_HOST/GATEWAY_PORT")
     sip_socket = None
-    if settings.sip_bind is not None:
-        from gateway.sip.endpoint import bind_udp
-
-        # First: a port in use is one line (ConfigError) before the script, the cache or the
-        # model is touched, and nothing is left loading behind it.
-        sip_socket = bind_udp(*settings.sip_bind)
     try:
+        if settings.sip_bind is not None:
+            from gateway.sip.endpoint import bind_udp
+
+            sip_socket = bind_udp(*settings.sip_bind)
         fastapi_app = create_app(settings, sip_socket=sip_socket)
     except BaseException as exc:
+        http_socket.close()
         if sip_socket is not None:
             sip_socket.close()
         if not isinstance(exc, ScriptError):
@@ -195,7 +200,7 @@ def serve(
         server.should_exit = True
 
     gateway.readiness.on_fatal = on_fatal
-    server.run()
+    server.run(sockets=[http_socket])
     if failure:
         raise GatewayError(failure[0])
     # Calls are drained and the app has shut down: leave now. The interpreter's own teardown

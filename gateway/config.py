@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.errors import ConfigError
@@ -174,6 +174,27 @@ class Settings(BaseSettings):
     twilio_auth_token: SecretStr | None = Field(
         None, description="Twilio auth token used to validate X-Twilio-Signature."
     )
+    twilio_account_sid: str | None = Field(
+        None,
+        description="Twilio account SID (AC...): with it, the replica running a call's stream "
+        "sends the call's transfer or hang-up to Twilio as a live-call update (REST), so the "
+        "outcome holds whichever replica Twilio's next request reaches. Needs "
+        "GATEWAY_TWILIO_API_KEY_SID/SECRET or GATEWAY_TWILIO_AUTH_TOKEN.",
+    )
+    twilio_api_key_sid: str | None = Field(
+        None, description="Twilio API key SID (SK...) for live-call updates (else the auth token)."
+    )
+    twilio_api_key_secret: SecretStr | None = Field(
+        None, description="The API key's secret."
+    )
+    twilio_api_base: str = Field(
+        "https://api.twilio.com",
+        description="Base URL of Twilio's REST API (a regional host, or a stand-in in tests).",
+    )
+    twilio_api_timeout_s: float = Field(
+        3, gt=0, le=30,
+        description="Each live-call update attempt's timeout (3 attempts, backoff 0.5 s then 1 s).",
+    )
     insecure: bool = Field(
         False, description="Skip Twilio signature validation (local testing only)."
     )
@@ -209,6 +230,13 @@ class Settings(BaseSettings):
         10, ge=0, le=3600,
         description="A Media Stream with no inbound message for this long is dead (Twilio sends "
         "media every 20 ms) and its call is ended; 0: never.",
+    )
+    twilio_reservation_s: float = Field(
+        5, ge=0, le=60,
+        description="How long the voice webhook holds a seat for the Media Stream it answers "
+        "with (Twilio connects it within a second or two); an unclaimed one lapses. 0: hold "
+        "none, only check there is room (a fleet behind a load balancer without stickiness, "
+        "where the stream may connect to any replica).",
     )
     frames_per_message: int = Field(
         50, ge=1, le=500, description="Max 20 ms frames batched into one outbound media message."
@@ -303,6 +331,49 @@ class Settings(BaseSettings):
             raise ValueError("public_url must look like https://ivr.example.com")
         return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
 
+    @field_validator("twilio_account_sid")
+    @classmethod
+    def _check_account_sid(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not re.fullmatch(r"AC[0-9a-f]{32}", value):
+            raise ValueError("GATEWAY_TWILIO_ACCOUNT_SID must be AC followed by 32 hex digits "
+                             "(the Account SID on the Twilio console)")
+        return value
+
+    @field_validator("twilio_api_key_sid")
+    @classmethod
+    def _check_api_key_sid(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not re.fullmatch(r"SK[0-9a-f]{32}", value):
+            raise ValueError("GATEWAY_TWILIO_API_KEY_SID must be SK followed by 32 hex digits")
+        return value
+
+    @field_validator("twilio_api_base")
+    @classmethod
+    def _check_api_base(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("https", "http") or not parts.netloc or parts.query:
+            raise ValueError("GATEWAY_TWILIO_API_BASE must look like https://api.twilio.com")
+        return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+
+    @model_validator(mode="after")
+    def _check_twilio_credentials(self) -> Settings:
+        key, secret = self.twilio_api_key_sid, self.twilio_api_key_secret
+        if (key is None) != (secret is None or not secret.get_secret_value()):
+            raise ValueError("GATEWAY_TWILIO_API_KEY_SID and GATEWAY_TWILIO_API_KEY_SECRET go "
+                             "together: set both or neither")
+        if key is not None and self.twilio_account_sid is None:
+            raise ValueError("GATEWAY_TWILIO_API_KEY_SID is set without "
+                             "GATEWAY_TWILIO_ACCOUNT_SID (the account whose calls it updates)")
+        token = self.twilio_auth_token.get_secret_value() if self.twilio_auth_token else ""
+        if self.twilio_account_sid is not None and key is None and not token:
+            raise ValueError("GATEWAY_TWILIO_ACCOUNT_SID is set but there is nothing to "
+                             "authenticate with: set GATEWAY_TWILIO_API_KEY_SID and _SECRET, or "
+                             "GATEWAY_TWILIO_AUTH_TOKEN")
+        return self
+
     @property
     def sip_bind(self) -> tuple[str, int] | None:
         """Where the SIP endpoint binds (``GATEWAY_SIP``), or None for no SIP."""
@@ -376,8 +447,12 @@ def settings_error(exc: ValidationError) -> str:
     """One line per rejected setting, each naming its environment variable."""
     lines = []
     for error in exc.errors():
-        field = ".".join(str(part) for part in error["loc"]) or "?"
         message = error["msg"].removeprefix("Value error, ")
+        if not error["loc"]:
+            # A check across settings (a model validator): its message names them all.
+            lines.append(message)
+            continue
+        field = ".".join(str(part) for part in error["loc"])
         variable = f"GATEWAY_{field.upper()}"
         lines.append(message if message.startswith(variable) else f"{variable}: {message}")
     return "; ".join(lines)

@@ -61,6 +61,12 @@ class Metrics:
             ["transport", "reason"],
             registry=r,
         )
+        self.seats = Gauge(
+            "gateway_seats",
+            "Seats of GATEWAY_MAX_CALLS taken: by calls (ringing SIP calls included) or by voice "
+            "webhook reservations whose streams have not connected here yet.",
+            ["kind"], registry=r,
+        )
         self.draining = Gauge(
             "gateway_draining", "1 from SIGTERM until exit: no new calls are taken.", registry=r
         )
@@ -81,6 +87,24 @@ class Metrics:
             "Requests refused for a missing or bad X-Twilio-Signature.",
             ["endpoint"],
             registry=r,
+        )
+        self.twilio_updates = Counter(
+            "gateway_twilio_call_updates_total",
+            "Outcomes sent to Twilio as live-call updates (REST): delivered, failed (every "
+            "attempt failed: the call falls back on after-stream; an alarm), or moot (the "
+            "stream ended before a retry).",
+            ["result"], registry=r,
+        )
+        self.twilio_update_retries = Counter(
+            "gateway_twilio_call_update_retries_total",
+            "Live-call update attempts retried after a timeout, a connection error, 429 or 5xx.",
+            registry=r,
+        )
+        self.twilio_after_stream = Counter(
+            "gateway_twilio_after_stream_total",
+            "<Connect action> requests by answer: outcome (this replica ran the stream), retry "
+            "(unknown here: wait and ask again through the balancer) or hangup.",
+            ["answer"], registry=r,
         )
         self.http_aborted = Counter(
             "gateway_http_aborted_requests_total",

@@ -260,6 +260,48 @@ async def test_the_drain_ends_as_soon_as_the_last_call_does(rig) -> None:  # typ
     assert drain.done() and transport.outcome is None
 
 
+async def test_an_unclaimed_reservation_does_not_hold_the_drain(rig) -> None:  # type: ignore[no-untyped-def]
+    """A fleet: this replica's webhook reserved a seat whose stream the balancer sent to
+    another replica. The drain used to wait for it to lapse (30 s) with no call left here."""
+    clock, lifecycle, _, metrics = rig
+    assert lifecycle.reserve("CA1", "twilio", 30.0) is None
+    assert metrics.registry.get_sample_value("gateway_seats", {"kind": "reservation"}) == 1
+    drain = asyncio.create_task(lifecycle.drain(110.0))
+    await clock.advance(0)
+    await clock.advance(0)
+    assert drain.done() and clock.now() == 0.0
+    # Should its stream come here after all, before the process is gone: it is taken.
+    assert lifecycle.admit("CA1", "twilio") is None
+    assert metrics.registry.get_sample_value("gateway_seats", {"kind": "call"}) == 1
+
+
+async def test_a_reserved_stream_arriving_while_calls_drain_is_taken_and_waited_for(rig) -> None:  # type: ignore[no-untyped-def]
+    clock, lifecycle, _, _ = rig
+    first, _ = _start(lifecycle, clock, "k1")
+    assert lifecycle.reserve("CA1", "twilio", 30.0) is None
+    drain = asyncio.create_task(lifecycle.drain(110.0))
+    await clock.advance(1)
+    late, _ = _start(lifecycle, clock, "CA1")  # claims the reservation made before the drain
+    await lifecycle.finish(first, "bye")
+    await clock.advance(5)
+    assert not drain.done()  # the claimed seat is a call: waited for
+    await lifecycle.finish(late, "bye")
+    await clock.advance(0)
+    assert drain.done() and clock.now() == 6.0
+
+
+def test_a_webhook_holding_no_seat_only_asks_whether_there_is_room() -> None:
+    """GATEWAY_TWILIO_RESERVATION_S=0 (a fleet): the webhook refuses when full, holds nothing."""
+    clock = VirtualClock()
+    metrics = Metrics()
+    admission = Admission(1, _ready(clock, metrics), clock, metrics)
+    assert admission.reserve("CA1", "twilio", 0.0) is None
+    assert admission.seats() == 0 and not admission.reservations()
+    assert admission.admit("sip-dialog-1", "sip") is None
+    assert admission.reserve("CA2", "twilio", 0.0) == "at_capacity"
+    assert _refused(metrics, "twilio", "at_capacity") == 1
+
+
 async def test_a_call_whose_media_stops_is_aborted_after_its_inactivity_timeout(rig) -> None:  # type: ignore[no-untyped-def]
     clock, lifecycle, _, metrics = rig
     call, transport = _start(lifecycle, clock, inactivity_s=60.0)

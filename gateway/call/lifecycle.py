@@ -184,12 +184,16 @@ class CallLifecycle:
         left = self.registry.values()
         if left:
             log.warning("drain grace over: hanging up %d call(s)", len(left))
-            for call in left:
-                try:
-                    await call.end(HangUp())
-                except Exception:
-                    log.exception("call %s: hang-up at the end of the drain failed",
-                                  call.call_id)
+            # All at once: a hang-up may be a round trip to Twilio's REST API (seconds when it
+            # retries), and the orchestrator's SIGKILL deadline does not wait for a queue.
+            results = await asyncio.gather(*(call.end(HangUp()) for call in left),
+                                           return_exceptions=True)
+            for call, result in zip(left, results, strict=True):
+                # (A CancelledError here is that hang-up's own: the call ended meanwhile. The
+                # drain's own cancellation is raised by gather itself.)
+                if isinstance(result, Exception):
+                    log.error("call %s: hang-up at the end of the drain failed", call.call_id,
+                              exc_info=result)
         log.info("drained")
 
     async def close_all(self) -> None:

@@ -28,8 +28,8 @@ from gateway.call.events import CallOutcome, Codec, TransferTo
 from gateway.call.lifecycle import CallLifecycle
 from gateway.call.playout import PlayoutPolicy
 from gateway.call.session import Call
-from gateway.errors import ConfigError
 from gateway.metrics import Metrics
+from gateway.net import bind
 from gateway.sip.rtp import DtmfReceiver, RtpError, RtpPacket, RtpReceiverStats, RtpSender
 from gateway.sip.sdp import Answer
 from gateway.sip.uas import (
@@ -72,21 +72,7 @@ TRANSFER_TIMEOUT_S = 32.0
 def bind_udp(host: str, port: int, variable: str = "GATEWAY_SIP") -> socket.socket:
     """A UDP socket bound to ``host:port``, or a :class:`~gateway.errors.ConfigError` that
     says which setting to change (the port is taken, the address is not this host's)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_DGRAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise ConfigError(f"cannot bind the SIP endpoint to udp {host}:{port} ({variable}): "
-                          f"{exc.strerror or exc}") from None
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot bind the SIP endpoint to udp {host}:{port} ({variable}): "
-                          f"{exc.strerror or exc}") from None
-    sock.setblocking(False)
-    return sock
+    return bind(host, port, kind="udp", what="SIP endpoint", variable=variable)
 
 
 class _Udp(asyncio.DatagramProtocol):
