@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.errors import ConfigError
@@ -113,6 +113,18 @@ class Settings(BaseSettings):
     script: Path | None = Field(
         None,
         description="IVR script (YAML) to run for every call; unset: greet and read back keys.",
+    )
+    lines: Path | None = Field(
+        None,
+        description="Lines file (YAML): which script answers which dialled number (Twilio's "
+        "To, a SIP Request-URI user), and the default line for the rest. Instead of "
+        "GATEWAY_SCRIPT.",
+    )
+    reload_interval_s: float = Field(
+        2, ge=0, le=3600,
+        description="How often gateway serve checks the lines file and scripts for edits; a "
+        "valid edit is rendered, then takes new calls (calls in progress keep theirs). 0: "
+        "only on SIGHUP.",
     )
     cache_dir: Path | None = Field(
         Path.home() / ".cache" / "qwen3-tts-gateway" / "prompts",
@@ -235,10 +247,20 @@ class Settings(BaseSettings):
         "text", description="text: one readable line per record; json: JSON lines with call_id."
     )
 
-    @field_validator("cache_dir", mode="before")
+    @field_validator("cache_dir", "script", "lines", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _one_ivr(self) -> Settings:
+        if self.lines is not None and self.script is not None:
+            raise ValueError(
+                f"GATEWAY_LINES ({self.lines}) and GATEWAY_SCRIPT ({self.script}) are both set: "
+                "a lines file names each line's script; list this script there (as the "
+                "default line) and unset GATEWAY_SCRIPT"
+            )
+        return self
 
     # The SIP settings are strings in the environment; each is checked here, once, so a bad
     # value stops start-up naming its variable (an inverted RTP range used to give every call
@@ -376,8 +398,11 @@ def settings_error(exc: ValidationError) -> str:
     """One line per rejected setting, each naming its environment variable."""
     lines = []
     for error in exc.errors():
-        field = ".".join(str(part) for part in error["loc"]) or "?"
         message = error["msg"].removeprefix("Value error, ")
+        if not error["loc"]:  # a rule across settings: its message names them
+            lines.append(message)
+            continue
+        field = ".".join(str(part) for part in error["loc"])
         variable = f"GATEWAY_{field.upper()}"
         lines.append(message if message.startswith(variable) else f"{variable}: {message}")
     return "; ".join(lines)
