@@ -233,6 +233,7 @@ def load_lines_setting(settings: Settings, stamps: dict[Path, FileStamp] | None 
     ``stamps`` is filled with the files read (:func:`gateway.ivr.lines.load_lines`)."""
     voices = VoiceRegistry(settings.voices_dir)
     if settings.lines is not None:
+        # GATEWAY_LINES supersedes GATEWAY_SCRIPT (Settings.superseded_script).
         return load_lines(settings.lines, voice_exists=voices.exists, stamps=stamps)
     if settings.script is not None:
         return single_script(settings.script, voice_exists=voices.exists, stamps=stamps)
@@ -277,6 +278,9 @@ def create_app(
     )
     # Refuse to start with an invalid lines file or script (ScriptError lists every problem),
     # or with a cloned voice that is not registered, before the model is loaded.
+    if settings.superseded_script is not None:
+        log.warning("GATEWAY_LINES (%s) supersedes GATEWAY_SCRIPT (%s): calls run the lines' "
+                    "scripts", settings.lines, settings.superseded_script)
     gateway.plan = load_lines_setting(settings)
     if gateway.plan is not None:
         gateway.voices = [script_voice(script, resolve_voice(script, settings.voices_dir))

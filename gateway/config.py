@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.errors import ConfigError
@@ -117,7 +117,7 @@ class Settings(BaseSettings):
     lines: Path | None = Field(
         None,
         description="Lines file (YAML): which script answers which dialled number (Twilio's "
-        "To, a SIP Request-URI user), and the default line for the rest. Instead of "
+        "To, a SIP Request-URI user), and the default line for the rest. Supersedes "
         "GATEWAY_SCRIPT.",
     )
     reload_interval_s: float = Field(
@@ -252,15 +252,12 @@ class Settings(BaseSettings):
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
 
-    @model_validator(mode="after")
-    def _one_ivr(self) -> Settings:
-        if self.lines is not None and self.script is not None:
-            raise ValueError(
-                f"GATEWAY_LINES ({self.lines}) and GATEWAY_SCRIPT ({self.script}) are both set: "
-                "a lines file names each line's script; list this script there (as the "
-                "default line) and unset GATEWAY_SCRIPT"
-            )
-        return self
+    @property
+    def superseded_script(self) -> Path | None:
+        """``GATEWAY_SCRIPT`` when ``GATEWAY_LINES`` is set too: the lines file wins (the image
+        bakes in a ``GATEWAY_SCRIPT``; setting ``GATEWAY_LINES`` on top must be enough), and the
+        gateway says so at start-up."""
+        return self.script if self.lines is not None else None
 
     # The SIP settings are strings in the environment; each is checked here, once, so a bad
     # value stops start-up naming its variable (an inverted RTP range used to give every call

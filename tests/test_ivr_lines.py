@@ -9,10 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 
 from gateway.cli import main
-from gateway.config import Settings, settings_error
+from gateway.config import Settings
 from gateway.ivr.lines import (
     DEFAULT_LABEL,
     FileStamp,
@@ -224,13 +223,20 @@ def test_a_lines_file_and_a_script_are_told_apart() -> None:
     assert not load_plan(PROMPTS / "lines.yaml").single
 
 
-def test_lines_and_script_settings_exclude_each_other() -> None:
-    with pytest.raises(ValidationError) as info:
-        Settings(lines="prompts/lines.yaml", script="prompts/demo.yaml")  # type: ignore[arg-type]
-    message = settings_error(info.value)
-    assert message.startswith("GATEWAY_LINES (prompts/lines.yaml) and GATEWAY_SCRIPT "
-                              "(prompts/demo.yaml) are both set"), message
-    assert Settings(lines="", script="prompts/demo.yaml").lines is None  # type: ignore[arg-type]
+def test_a_lines_file_supersedes_the_script_setting(caplog: pytest.LogCaptureFixture) -> None:
+    """The image bakes in GATEWAY_SCRIPT: setting GATEWAY_LINES on top is enough, and said."""
+    from gateway.app import create_app
+
+    settings = Settings(lines=PROMPTS / "lines.yaml", script=PROMPTS / "demo.yaml",
+                        insecure=True, device="cpu")
+    assert settings.superseded_script == PROMPTS / "demo.yaml"
+    assert Settings(script=PROMPTS / "demo.yaml").superseded_script is None
+    assert Settings(lines="", script="x.yaml").lines is None  # type: ignore[arg-type]
+    caplog.set_level("WARNING", logger="gateway.app")
+    gateway = create_app(settings, lambda s: []).state.gateway
+    assert gateway.plan is not None and not gateway.plan.single
+    assert f"GATEWAY_LINES ({PROMPTS / 'lines.yaml'}) supersedes GATEWAY_SCRIPT " \
+        f"({PROMPTS / 'demo.yaml'})" in caplog.text
 
 
 def test_prompts_validate_checks_a_lines_file_and_every_script(
