@@ -133,7 +133,7 @@ async def _reloaded(live: VirtualServer, attempts: int) -> None:
     """Until the gateway's reloader has finished ``attempts`` reloads (installed or refused)."""
     reloader = live.gateway.reloader
     assert reloader is not None
-    waiter = asyncio.ensure_future(reloader.wait_attempts(attempts))
+    waiter = asyncio.ensure_future(reloader.wait(attempts=attempts))
     try:
         await _until(waiter.done, 120, f"reload attempt {attempts}")
     finally:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -215,14 +215,6 @@ class Switchboard:
         return run
 
 
-@dataclass
-class _Attempts:
-    """Reload attempts finished so far, to wait on (tests, and whoever asked for one)."""
-
-    done: int = 0
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-
-
 class Reloader:
     """Builds and installs the next version when the files change, or when asked (SIGHUP).
 
@@ -253,19 +245,27 @@ class Reloader:
         self._requests: list[str] = []
         self._lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._attempts = _Attempts()
+        self._progress = asyncio.Condition()
+        #: Looks at the files finished, and reload attempts finished (installed or refused).
+        self.checks = 0
+        self.attempts = 0
         #: The reasons of the attempts so far and whether each installed a version.
         self.history: list[tuple[str, bool]] = []
 
-    @property
-    def attempts(self) -> int:
-        """Reload attempts finished (installed or refused)."""
-        return self._attempts.done
+    async def wait(self, *, attempts: int = 0, checks: int = 0) -> None:
+        """Return once ``attempts`` reloads and ``checks`` looks at the files have finished
+        (counted from the start): what tests, and whoever asked for a reload, wait on."""
+        async with self._progress:
+            await self._progress.wait_for(
+                lambda: self.attempts >= attempts and self.checks >= checks)
 
-    async def wait_attempts(self, count: int) -> None:
-        """Return once ``count`` reload attempts have finished."""
-        async with self._attempts.changed:
-            await self._attempts.changed.wait_for(lambda: self._attempts.done >= count)
+    async def _advanced(self, *, attempt: bool) -> None:
+        async with self._progress:
+            if attempt:
+                self.attempts += 1
+            else:
+                self.checks += 1
+            self._progress.notify_all()
 
     def request(self, reason: str = "SIGHUP") -> None:
         """Reload now, whatever the files' stamps say. Safe from a signal handler or another
@@ -295,6 +295,12 @@ class Reloader:
             await self._check()
 
     async def _check(self) -> None:
+        try:
+            await self._look()
+        finally:
+            await self._advanced(attempt=False)
+
+    async def _look(self) -> None:
         now = await asyncio.to_thread(lambda: {path: stamp(path) for path in self._watch})
         if now == self._watch:
             self._pending = None
@@ -347,7 +353,5 @@ class Reloader:
                     (self._metrics.script_reloads if ok
                      else self._metrics.script_reload_errors).inc()
                 self.history.append((reason, ok))
-                async with self._attempts.changed:
-                    self._attempts.done += 1
-                    self._attempts.changed.notify_all()
+                await self._advanced(attempt=True)
             return ok
