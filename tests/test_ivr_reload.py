@@ -368,6 +368,7 @@ def _wait_metric(process: GatewayProcess, name: str, value: float, timeout: floa
     raise AssertionError(f"{name} never reached {value}:\n{process.log()}")
 
 
+@pytest.mark.slow  # a signal to a gateway process, on real time
 def test_sighup_reloads_the_lines_of_a_gateway_process(rig: Rig, tiny_model_dir: Path,
                                                        tmp_path: Path) -> None:
     """``gateway serve`` with polling off (GATEWAY_RELOAD_INTERVAL_S=0): a SIGHUP reloads an
