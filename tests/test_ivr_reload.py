@@ -346,7 +346,7 @@ async def test_a_reload_with_calls_up_lets_each_call_finish_on_its_version(
         switchboard.install = install  # type: ignore[method-assign]
         for caller in (*old, *new):
             await caller.close()
-    assert [ok for _, ok in gateway.reloader.history[-3:]] == [True, False, True]  # type: ignore[union-attr]
+    assert [ok for _, ok in list(gateway.reloader.history)[-3:]] == [True, False, True]  # type: ignore[union-attr]
 
 
 # --- SIGHUP -----------------------------------------------------------------------------------

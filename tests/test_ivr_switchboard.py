@@ -157,7 +157,7 @@ async def test_a_request_reloads_at_once_whatever_the_files_say(
     reloader.request("SIGHUP")
     await reloader.wait(attempts=1)
     assert clock.now() == 0 and builder.built == [(2, True)]
-    assert reloader.history == [("SIGHUP", True)]
+    assert list(reloader.history) == [("SIGHUP", True)]
 
 
 async def test_a_request_made_before_the_reloader_runs_is_kept(tmp_path: Path) -> None:

@@ -159,15 +159,16 @@ async def render_missing(
     (a script reloaded while calls are up): on a quarter of the slots, queued behind every
     caller's turn of the next few seconds, so callers keep their first-audio budget.
     """
-    hits = rendered = 0
-    todo: list[tuple[PromptKey, SpeechRequest]] = []
+    rendered = 0
     audio = audio_identity(speech.engines[0], conditioning)
-    for text, spec, resolved in renders(script, voice, clones):
-        key = prompt_key_for(spec, fingerprint, resolved.identity, text, audio)
-        if cache.get(key) is not None:
-            hits += 1
-        else:
-            todo.append((key, request_for(spec, text, resolved)))
+    wanted = [(prompt_key_for(spec, fingerprint, resolved.identity, text, audio),
+               request_for(spec, text, resolved))
+              for text, spec, resolved in renders(script, voice, clones)]
+    # Disk I/O off the event loop (a prompt not in memory is read and verified from its file):
+    # a reload runs while calls are up, and their frames are paced on this loop.
+    found = await asyncio.to_thread(lambda: [cache.get(key) is not None for key, _ in wanted])
+    hits = sum(found)
+    todo = [item for item, hit in zip(wanted, found, strict=True) if not hit]
 
     async def render_one(key: PromptKey, request: SpeechRequest) -> None:
         nonlocal rendered
@@ -177,7 +178,9 @@ async def render_missing(
         stream = (speech.stream(request, turn_started_at=speech.clock() + BACKGROUND_DEFER_S)
                   if background else speech.stream(request))
         chunks = [chunk async for chunk in stream]
-        cache.put(key, pcm_from_chunks(chunks, conditioning), render_s=time.monotonic() - t0)
+        pcm = pcm_from_chunks(chunks, conditioning)
+        cache.put(key, pcm, render_s=time.monotonic() - t0, to_disk=False)
+        await asyncio.to_thread(cache.write, key, pcm)
         rendered += 1
 
     # Deadline order in the scheduler is submission order here; bound the burst by what the

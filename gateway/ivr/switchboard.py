@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,8 +250,8 @@ class Reloader:
         #: Looks at the files finished, and reload attempts finished (installed or refused).
         self.checks = 0
         self.attempts = 0
-        #: The reasons of the attempts so far and whether each installed a version.
-        self.history: list[tuple[str, bool]] = []
+        #: The reasons of the latest attempts and whether each installed a version.
+        self.history: deque[tuple[str, bool]] = deque(maxlen=100)
 
     async def wait(self, *, attempts: int = 0, checks: int = 0) -> None:
         """Return once ``attempts`` reloads and ``checks`` looks at the files have finished
