@@ -114,6 +114,18 @@ class Settings(BaseSettings):
         None,
         description="IVR script (YAML) to run for every call; unset: greet and read back keys.",
     )
+    lines: Path | None = Field(
+        None,
+        description="Lines file (YAML): which script answers which dialled number (Twilio's "
+        "To, a SIP Request-URI user), and the default line for the rest. Supersedes "
+        "GATEWAY_SCRIPT.",
+    )
+    reload_interval_s: float = Field(
+        2, ge=0, le=3600,
+        description="How often gateway serve checks the lines file and scripts for edits; a "
+        "valid edit is rendered, then takes new calls (calls in progress keep theirs). 0: "
+        "only on SIGHUP.",
+    )
     cache_dir: Path | None = Field(
         Path.home() / ".cache" / "qwen3-tts-gateway" / "prompts",
         description="Prompt cache directory (WAV + JSON per prompt); empty: memory only.",
@@ -263,10 +275,17 @@ class Settings(BaseSettings):
         "text", description="text: one readable line per record; json: JSON lines with call_id."
     )
 
-    @field_validator("cache_dir", mode="before")
+    @field_validator("cache_dir", "script", "lines", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
+
+    @property
+    def superseded_script(self) -> Path | None:
+        """``GATEWAY_SCRIPT`` when ``GATEWAY_LINES`` is set too: the lines file wins (the image
+        bakes in a ``GATEWAY_SCRIPT``; setting ``GATEWAY_LINES`` on top must be enough), and the
+        gateway says so at start-up."""
+        return self.script if self.lines is not None else None
 
     # The SIP settings are strings in the environment; each is checked here, once, so a bad
     # value stops start-up naming its variable (an inverted RTP range used to give every call

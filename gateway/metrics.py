@@ -25,11 +25,13 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # ``line``: the line a call reached (gateway.ivr.lines): a configured line's name, or
+        # "default" for every number no line lists, so the label set stays bounded.
         self.calls_active = Gauge(
-            "gateway_calls_active", "Calls in progress.", ["transport"], registry=r
+            "gateway_calls_active", "Calls in progress.", ["transport", "line"], registry=r
         )
         self.calls_total = Counter(
-            "gateway_calls_total", "Calls started.", ["transport"], registry=r
+            "gateway_calls_total", "Calls started.", ["transport", "line"], registry=r
         )
         self.calls_closed_by_error = Counter(
             "gateway_calls_protocol_errors_total",
@@ -47,13 +49,13 @@ class Metrics:
             "gateway_first_audio_seconds",
             "Caller's turn (answer, DTMF, speech) to the first 20 ms frame sent; source is "
             "cached (a prompt from the cache) or live (generated for this turn).",
-            ["transport", "source"],
+            ["transport", "source", "line"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.turns = Counter(
-            "gateway_turns_total", "Caller turns answered with audio.", ["transport", "source"],
-            registry=r,
+            "gateway_turns_total", "Caller turns answered with audio.",
+            ["transport", "source", "line"], registry=r,
         )
         self.calls_refused = Counter(
             "gateway_calls_refused_total",
@@ -79,7 +81,7 @@ class Metrics:
         self.gpu_memory.labels("allocated").set_function(lambda: _cuda_memory("allocated"))
         self.gpu_memory.labels("reserved").set_function(lambda: _cuda_memory("reserved"))
         self.barge_ins = Counter(
-            "gateway_barge_ins_total", "Utterances stopped by the caller.", ["transport"],
+            "gateway_barge_ins_total", "Utterances stopped by the caller.", ["transport", "line"],
             registry=r,
         )
         self.signature_rejections = Counter(
@@ -198,7 +200,23 @@ class Metrics:
         )
         self.speech_failures = Counter(
             "gateway_speech_failures_total", "Utterances a caller did not hear because TTS failed.",
-            ["transport"], registry=r,
+            ["transport", "line"], registry=r,
+        )
+        self.script_reloads = Counter(
+            "gateway_script_reloads_total",
+            "New versions of the lines and scripts installed without a restart (files changed "
+            "on disk, or SIGHUP).", registry=r,
+        )
+        self.script_reload_errors = Counter(
+            "gateway_script_reload_errors_total",
+            "Reloads refused (an invalid edit, a voice or model that cannot serve it): the "
+            "previous version keeps serving; the errors are in the log as file:line:column.",
+            registry=r,
+        )
+        self.script_version = Gauge(
+            "gateway_script_version",
+            "Version of the lines and scripts new calls run (1 at start, +1 per reload).",
+            registry=r,
         )
 
     def render(self) -> bytes:

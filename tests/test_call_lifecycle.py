@@ -147,9 +147,15 @@ class Dialogs:
         self.hangups: list[Hangup] = []
         #: Calls whose dialog has a bug.
         self.crash: set[str] = set()
+        #: Dialled number -> the line the factory names for it.
+        self.lines: dict[str, str] = {}
 
     def for_call(self, call: Call) -> Any:
-        self.chosen.append(call.parameters.get("called", ""))
+        called = call.parameters.get("called", "")
+        self.chosen.append(called)
+        if called == "no-dialog":
+            raise RuntimeError("no dialog for this call")
+        call.line = self.lines.get(called, call.line)
         return self.run
 
     async def run(self, call: Call) -> None:
@@ -176,12 +182,12 @@ async def rig() -> AsyncIterator[tuple[VirtualClock, CallLifecycle, Dialogs, Met
 
 
 def _start(lifecycle: CallLifecycle, clock: VirtualClock, key: str = "k1",
-           inactivity_s: float = 0.0) -> tuple[Call, FakeTransport]:
+           inactivity_s: float = 0.0, called: str = "+15550002222") -> tuple[Call, FakeTransport]:
     transport = FakeTransport(clock)
     transport.lifecycle = lifecycle
     assert lifecycle.admit(key, "sip") is None
     call = lifecycle.start(key, transport, transport_name="sip", call_id=f"call-{key}",
-                           parameters={"caller": "100", "called": "+15550002222"},
+                           parameters={"caller": "100", "called": called},
                            inactivity_s=inactivity_s)
     transport.call = call
     return call, transport
@@ -193,13 +199,39 @@ async def test_start_runs_the_dialog_chosen_for_the_call_and_finish_frees_everyt
     await clock.advance(0)
     assert dialogs.chosen == ["+15550002222"]  # the factory saw the dialled number
     assert lifecycle.registry.get("call-k1") is call and lifecycle.admission.seats() == 1
-    assert metrics.registry.get_sample_value("gateway_calls_active", {"transport": "sip"}) == 1
+    assert metrics.registry.get_sample_value("gateway_calls_active",
+                                           {"transport": "sip", "line": "default"}) == 1
     await lifecycle.finish(call, "bye")
     assert [h.reason for h in dialogs.hangups] == ["bye"]
     assert "call-k1" not in lifecycle.registry and lifecycle.admission.seats() == 0
-    assert metrics.registry.get_sample_value("gateway_calls_active", {"transport": "sip"}) == 0
+    assert metrics.registry.get_sample_value("gateway_calls_active",
+                                           {"transport": "sip", "line": "default"}) == 0
     await lifecycle.finish(call, "bye")  # a second finish (BYE retransmitted) is harmless
     assert len(dialogs.hangups) == 1
+
+
+async def test_the_calls_line_named_by_the_dialog_factory_labels_its_metrics(rig) -> None:  # type: ignore[no-untyped-def]
+    """The factory chooses before the call is counted: calls_active/total carry its line from
+    the start and the same series goes down at the end."""
+    clock, lifecycle, dialogs, metrics = rig
+    dialogs.lines["2000"] = "billing"
+    call, _ = _start(lifecycle, clock, "b", called="2000")
+    await clock.advance(0)
+    billing = {"transport": "sip", "line": "billing"}
+    assert call.line == "billing"
+    assert metrics.registry.get_sample_value("gateway_calls_active", billing) == 1
+    assert metrics.registry.get_sample_value("gateway_calls_total", billing) == 1
+    assert metrics.registry.get_sample_value("gateway_calls_active",
+                                             {"transport": "sip", "line": "default"}) is None
+    await lifecycle.finish(call, "bye")
+    assert metrics.registry.get_sample_value("gateway_calls_active", billing) == 0
+
+
+async def test_a_factory_that_cannot_choose_a_dialog_leaves_no_seat_behind(rig) -> None:  # type: ignore[no-untyped-def]
+    clock, lifecycle, _, _ = rig
+    with pytest.raises(RuntimeError):
+        _start(lifecycle, clock, "x", called="no-dialog")
+    assert "call-x" not in lifecycle.registry and lifecycle.admission.seats() == 0
 
 
 async def test_a_finish_cancelled_midway_still_frees_the_seat_and_is_not_swallowed(rig) -> None:  # type: ignore[no-untyped-def]

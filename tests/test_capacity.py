@@ -105,8 +105,10 @@ async def test_the_budget_is_shared_by_webhook_reservations_streams_and_sip(
     metrics = httpx.get(f"{small.base_url}/metrics", timeout=5).text
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                for line in metrics.splitlines() if line and not line.startswith("#")}
-    assert samples['gateway_turns_total{source="live",transport="twilio"}'] == 2  # the greetings
-    assert samples['gateway_first_audio_seconds_count{source="live",transport="twilio"}'] == 2
+    # (No lines configured: every call is the default line's.)
+    assert samples['gateway_turns_total{line="default",source="live",transport="twilio"}'] == 2
+    assert samples['gateway_first_audio_seconds_count{line="default",source="live",'
+                   'transport="twilio"}'] == 2
     assert samples['gateway_calls_refused_total{reason="at_capacity",transport="twilio"}'] == 2
     assert samples["gateway_draining"] == 0
     assert samples['gateway_gpu_memory_bytes{kind="allocated"}'] == 0

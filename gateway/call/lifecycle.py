@@ -50,7 +50,8 @@ class DialogFactory(Protocol):
     """Chooses what runs each call (the IVR script of the line dialled, the greeter...)."""
 
     def for_call(self, call: Call) -> Dialog:
-        """The dialog for ``call``; it may look at ``call.parameters`` (caller, called)."""
+        """The dialog for ``call``; it may look at ``call.parameters`` (caller, called) and
+        name the call's line (``call.line``, a metrics label) before the call is counted."""
         ...
 
 
@@ -128,8 +129,14 @@ class CallLifecycle:
         )
         call.seat = seat
         call.parameters.update(parameters)
+        # The dialog is chosen before the call is counted: the factory names the call's line,
+        # a label of the metrics registering it starts.
+        try:
+            dialog = self.dialogs.for_call(call)
+        except BaseException:
+            self.admission.release(seat)
+            raise
         self.registry.add(call)
-        dialog = self.dialogs.for_call(call)
         # The call's tasks (and the tasks they start) log with its id.
         with call_context(call_id):
             call.start()

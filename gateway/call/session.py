@@ -189,6 +189,9 @@ class Call:
         self.parameters: dict[str, str] = {"call_id": call_id}
         #: The admission seat this call holds (released when it ends).
         self.seat: str = call_id
+        #: The ``line`` label of this call's metrics: the line it reached, set by the dialog
+        #: factory before the call is registered (``default``: no line, or an unlisted number).
+        self.line = "default"
         codec: Codec = transport.codec
         self.codec = codec
         self._pipeline = PhonePipeline(
@@ -357,8 +360,9 @@ class Call:
         latency = utterance.first_frame_at - utterance.turn_started_at
         if self._metrics is not None:
             source = "cached" if utterance.cached else "live"
-            self._metrics.first_audio.labels(self._transport_name, source).observe(latency)
-            self._metrics.turns.labels(self._transport_name, source).inc()
+            self._metrics.first_audio.labels(self._transport_name, source, self.line
+                                             ).observe(latency)
+            self._metrics.turns.labels(self._transport_name, source, self.line).inc()
         log.info("call %s: %s first audio %.1f ms after the caller's turn", self.call_id,
                  utterance.id, 1000 * latency)
 
@@ -381,7 +385,7 @@ class Call:
         self._pipeline.reset()
         await self.playout.interrupt()
         if self._metrics is not None:
-            self._metrics.barge_ins.labels(self._transport_name).inc()
+            self._metrics.barge_ins.labels(self._transport_name, self.line).inc()
         log.info("call %s: barge-in stopped %s after %d frames", self.call_id, utterance.id,
                  utterance.frames_sent)
 
@@ -468,7 +472,7 @@ class Call:
             log.error("call %s: %s failed: %r", self.call_id, utterance.id, exc, exc_info=exc)
         self._pipeline.reset()
         if self._metrics is not None:
-            self._metrics.speech_failures.labels(self._transport_name).inc()
+            self._metrics.speech_failures.labels(self._transport_name, self.line).inc()
         if pushed and not self.ended:
             # Whatever was sent of it is incomplete: drop it here and at the far end too.
             try:

@@ -38,7 +38,7 @@ from gateway.call.events import (
     SpeechStarted,
     TransferTo,
 )
-from gateway.call.session import Call, Dialog, Utterance
+from gateway.call.session import Call, Utterance
 from gateway.clock import Clock, SystemClock
 from gateway.ivr.cache import PromptCache, PromptKey
 from gateway.ivr.prompts import ResolvedVoice, prompt_key_for, speaker_identity
@@ -106,6 +106,10 @@ class RunnerContext:
     sounds: dict[str, np.ndarray] = field(default_factory=dict)
     #: Cloned voices a node's ``voice:`` switches to, by name (resolved at start-up).
     clones: dict[str, ResolvedVoice] = field(default_factory=dict)
+    #: The line this context serves and the version of the lines it belongs to (for the
+    #: trace; None outside a gateway: the script tester).
+    line: str | None = None
+    version: int | None = None
 
     def key(self, text: str, voice: ScriptVoice | None = None) -> PromptKey:
         """The cache key of ``text`` spoken with ``voice`` (default: the script's)."""
@@ -136,22 +140,6 @@ class RunnerContext:
         ))
 
 
-class IvrDialogs:
-    """The :class:`~gateway.call.lifecycle.DialogFactory` of a gateway running one script.
-
-    (A line router choosing a script per dialled number is another factory of the same shape.)
-    """
-
-    def __init__(self, context: RunnerContext) -> None:
-        self.context = context
-
-    def for_call(self, call: Call) -> Dialog:
-        return self._run
-
-    async def _run(self, call: Call) -> None:
-        await IvrRunner(call, self.context, dict(call.parameters)).run()
-
-
 class IvrRunner:
     """Runs one call through the script."""
 
@@ -163,7 +151,8 @@ class IvrRunner:
         self.clock = context.clock
         #: What the call went through (logged at hang-up; the script tester reads it).
         self.trace = trace if trace is not None else CallTrace(
-            call.call_id, self.script.name, call.answered_at)
+            call.call_id, self.script.name, call.answered_at, line=context.line,
+            version=context.version)
         self.variables: dict[str, str] = {**self.script.variables, **variables}
         #: Who speaks now (a node's ``voice`` or ``set: {language}`` changes it).
         self.voice: ScriptVoice = self.script.voice

@@ -73,6 +73,10 @@ class CallTrace:
     #: The transfer target, when there is one.
     target: str | None = None
     ended_at: float | None = None
+    #: The line that answered (its name, ``default`` for an unlisted number) and the version of
+    #: the lines and scripts the call ran on (a reload installs the next one).
+    line: str | None = None
+    version: int | None = None
     #: Called each time the runner starts waiting for the caller with nothing queued (the
     #: script tester presses the next key then).
     on_waiting: Callable[[], None] | None = field(default=None, repr=False, compare=False)
@@ -87,6 +91,8 @@ class CallTrace:
         # asyncio.Event, its loop with it).
         record: dict[str, Any] = {"call_id": self.call_id, "script": self.script,
                                   "path": self.path}
+        if self.line is not None:
+            record["line"], record["version"] = self.line, self.version
         for part in ("visits", "heard", "keys", "webhooks"):
             record[part] = [asdict(entry) for entry in getattr(self, part)]
         record["outcome"], record["target"] = self.outcome, self.target
