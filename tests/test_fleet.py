@@ -216,7 +216,11 @@ def _metrics(replica: GatewayProcess) -> dict[tuple[str, tuple[tuple[str, str], 
 
 
 def _metric(replica: GatewayProcess, name: str, **labels: str) -> float:
-    return _metrics(replica).get((name, tuple(sorted(labels.items()))), 0.0)
+    """``name``'s value summed over the samples carrying ``labels`` (others, such as a call
+    metric's ``line``, whatever their value)."""
+    wanted = set(labels.items())
+    return sum(value for (sample, sample_labels), value in _metrics(replica).items()
+               if sample == name and wanted <= set(sample_labels))
 
 
 def _calls(replica: GatewayProcess) -> float:
