@@ -31,6 +31,7 @@ from gateway.call import (
     HangUp,
     Hangup,
     Playout,
+    SpeechStarted,
     TransferTo,
 )
 from gateway.metrics import Metrics
@@ -276,6 +277,80 @@ async def test_a_call_whose_media_stops_is_aborted_after_its_inactivity_timeout(
     assert transport.aborted == "inbound timeout" and call.timed_out
     assert metrics.registry.get_sample_value(
         "gateway_calls_inbound_timeouts_total", {"transport": "sip"}) == 1
+
+
+# --- the speech-detector feed ------------------------------------------------------------------
+
+
+class CountingDetector:
+    """Counts the frames it hears; "detects" speech on the ``fire_at``-th."""
+
+    def __init__(self, fire_at: int = 0) -> None:
+        self.heard = 0
+        self.resets = 0
+        self.fire_at = fire_at
+
+    def push(self, frame: bytes | bytearray | memoryview) -> bool:
+        self.heard += 1
+        return self.heard == self.fire_at
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+async def _feed(call: Call, clock: VirtualClock, frames: int) -> None:
+    for _ in range(frames):
+        call.inbound_audio(SILENCE)
+        await clock.advance(0.02)
+
+
+async def test_the_speech_detector_hears_the_caller_only_while_their_speech_can_matter() -> None:
+    """Not during a gather's wait for keys nor under a prompt that must play to its end (the
+    detector costs 0.1 ms a frame when its model runs); while an interruptible prompt plays,
+    and while the dialog asks for speech, every frame."""
+    clock = VirtualClock(start=10.0)
+    detector = CountingDetector(fire_at=15)
+    call = Call("call-vad", FakeTransport(clock), clock, transport_name="sip",
+                detector=detector)
+    call.start()
+    try:
+        pcm = np.zeros(8000, dtype=np.int16)  # 1 s
+        await _feed(call, clock, 25)  # nothing playing
+        assert detector.heard == 0 and not call.listening
+        firm = call.play(pcm, label="must be heard")  # not interruptible
+        await _feed(call, clock, 25)
+        assert detector.heard == 0 and not call.listening
+        await call.barge_in()
+        prompt = call.play(pcm, label="menu", interruptible=True)
+        assert call.listening
+        await _feed(call, clock, 20)
+        assert detector.heard == 20 and not firm.played.is_set()
+        started = [e for e in _drain(call) if isinstance(e, SpeechStarted)]
+        assert len(started) == 1
+        while not prompt.played.is_set():
+            await _feed(call, clock, 1)
+        heard = detector.heard
+        await _feed(call, clock, 25)  # played: waiting for keys
+        assert detector.heard == heard and not call.listening
+        call.wants_speech = True  # a dialog waiting for a spoken answer
+        await _feed(call, clock, 10)
+        assert detector.heard == heard + 10
+        # It had not heard the line for 0.5 s: it carried on. After a 3 s gap it starts afresh.
+        assert detector.resets == 0
+        call.wants_speech = False
+        await _feed(call, clock, 150)
+        call.wants_speech = True
+        await _feed(call, clock, 1)
+        assert detector.resets == 1
+    finally:
+        await call.close()
+
+
+def _drain(call: Call) -> list[object]:
+    events = []
+    while not call.events.empty():
+        events.append(call.events.get_nowait())
+    return events
 
 
 # --- the RTP playout --------------------------------------------------------------------------

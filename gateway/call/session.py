@@ -9,6 +9,10 @@ the call. Everything between is here, written once:
 - **Events** for the dialog (:attr:`Call.events`), stamped with the injected clock.
 - **The speech-detector feed**: inbound G.711 is decoded once, per codec, by the call's
   :class:`~gateway.audio.vad.SpeechStartDetector`; a detected start is a :class:`SpeechStarted`.
+  The detector hears the caller only while their speech can matter: while an ``interruptible``
+  utterance is generating or playing, or while the dialog asks for speech
+  (:attr:`Call.wants_speech`). The rest of the call (a gather's wait for keys, a webhook, a
+  prompt that must play to its end) costs it nothing.
 - **Inactivity**: :class:`~gateway.call.inactivity.InactivityWatch` on every inbound packet.
 - **Speaking**: the dialog hands the call audio, a speech stream to :meth:`Call.speak` (24 kHz
   float chunks from the speech service) or 8 kHz PCM to :meth:`Call.play` (a cached prompt, a
@@ -103,6 +107,14 @@ class SpeechDetector(Protocol):
 
     def push(self, frame: bytes | bytearray | memoryview) -> bool: ...
 
+    def reset(self) -> None: ...
+
+
+#: A detector that has not heard the caller for longer than this starts afresh: its noise floor
+#: (one second of windows, :data:`gateway.audio.vad.NOISE_FLOOR_S`) and its state would describe
+#: a line as it was, not as it is. Shorter gaps (between the sentences of one ``say``) carry on.
+_DETECTOR_MEMORY_S = 1.0
+
 
 @dataclass(eq=False)
 class Utterance:
@@ -132,6 +144,8 @@ class Utterance:
     capture: list[npt.NDArray[np.float32]] | None = None
     #: Called once, when the first frame has gone to the transport.
     on_first_frame: Callable[[Utterance], None] | None = None
+    #: The caller's speech may stop it: the speech detector listens while it is not done.
+    interruptible: bool = False
 
     def frames_released(self, count: int, at: float) -> None:
         """The playout handed ``count`` of this utterance's frames to the transport at ``at``."""
@@ -200,8 +214,12 @@ class Call:
             on_failure=self._playout_failed,
         )
         self._detector = detector
-        #: Feed caller audio to the speech detector (off: nothing interruptible is playing).
-        self.listening = detector is not None
+        #: The dialog waits for the caller's speech (not only while an interruptible utterance
+        #: plays): the speech detector listens meanwhile.
+        self.wants_speech = False
+        #: When the detector last heard a frame (None: not yet). Past a gap longer than its
+        #: noise-floor memory it starts afresh rather than from a stale line.
+        self._heard_at: float | None = None
         if watch is None:
             watch = InactivityWatch(clock, inactivity_s, transport=transport_name,
                                     metrics=metrics, on_expired=self._inactive, label=call_id)
@@ -246,6 +264,15 @@ class Call:
         clock read for the packet, when it has one (one read per packet)."""
         self.inactivity.touch(self.clock.now() if now is None else now)
 
+    @property
+    def listening(self) -> bool:
+        """Whether the speech detector hears the caller now (see the module docstring)."""
+        if self._detector is None:
+            return False
+        current = self._current
+        return self.wants_speech or (
+            current is not None and current.interruptible and not current.done)
+
     def inbound_audio(self, payload: bytes | bytearray | memoryview,
                       now: float | None = None) -> None:
         """20 ms of caller audio in the call's codec: liveness, then the speech detector."""
@@ -253,7 +280,17 @@ class Call:
             now = self.clock.now()
         self.inactivity.touch(now)
         detector = self._detector
-        if detector is not None and self.listening and detector.push(payload):
+        if detector is None:
+            return
+        # Per frame, so inline: ``listening`` without the property call.
+        current = self._current
+        if not (self.wants_speech or (current is not None and current.interruptible
+                                      and not current.done)):
+            return
+        heard_at, self._heard_at = self._heard_at, now
+        if heard_at is not None and now - heard_at > _DETECTOR_MEMORY_S:
+            detector.reset()
+        if detector.push(payload):
             self.deliver(SpeechStarted(at=now))
 
     def dtmf(self, digit: str, now: float | None = None) -> None:
@@ -301,14 +338,16 @@ class Call:
     # --- speaking -----------------------------------------------------------------------------
 
     def speak(self, text: str, open_stream: StreamOpener, *, turn_started_at: float | None = None,
-              capture: bool = False) -> Utterance:
+              capture: bool = False, interruptible: bool = False) -> Utterance:
         """Start speaking ``text`` now from the stream ``open_stream`` gives; returns at once.
 
         ``turn_started_at`` is when the caller's turn ended (DTMF received, call answered):
         first-audio latency is measured from there. With ``capture`` the 8 kHz audio is kept so
         the caller of this method can cache the sentence once it was generated completely.
+        ``interruptible``: the caller's speech may stop it (the speech detector listens until
+        it is done, and a detected start is a :class:`SpeechStarted` for the dialog).
         """
-        utterance = self._new_utterance(text, turn_started_at)
+        utterance = self._new_utterance(text, turn_started_at, interruptible)
         if capture:
             utterance.capture = []
         if not utterance.done:
@@ -317,13 +356,15 @@ class Call:
         return utterance
 
     def play(
-        self, pcm: npt.NDArray[np.int16], *, label: str, turn_started_at: float | None = None
+        self, pcm: npt.NDArray[np.int16], *, label: str, turn_started_at: float | None = None,
+        interruptible: bool = False,
     ) -> Utterance:
         """Start playing 8 kHz int16 ``pcm`` (a cached prompt or a WAV file) now.
 
         No generation is involved: the first frames go out on the playout's next turn.
+        ``interruptible`` as for :meth:`speak`.
         """
-        utterance = self._new_utterance(label, turn_started_at)
+        utterance = self._new_utterance(label, turn_started_at, interruptible)
         utterance.cached = True
         if not utterance.done:
             utterance.task = asyncio.create_task(
@@ -331,7 +372,8 @@ class Call:
             )
         return utterance
 
-    def _new_utterance(self, text: str, turn_started_at: float | None) -> Utterance:
+    def _new_utterance(self, text: str, turn_started_at: float | None,
+                       interruptible: bool) -> Utterance:
         if self.speaking:
             raise RuntimeError("already speaking: barge_in() first")
         utterance = Utterance(
@@ -340,6 +382,7 @@ class Call:
             turn_started_at=turn_started_at if turn_started_at is not None else self.clock.now(),
             caller_turn=turn_started_at is not None,
             on_first_frame=self._first_frame,
+            interruptible=interruptible,
         )
         self._current = utterance
         self.utterances.append(utterance)

@@ -288,7 +288,7 @@ class IvrRunner:
             text = render(template, self.variables)
             if not text.strip():
                 continue
-            utterance = self._start_utterance(item, template, text, voice)
+            utterance = self._start_utterance(item, template, text, voice, barge_in)
             heard = Heard(self.path[-1] if self.path else "", text, voice.language,
                           voice.clone or voice.speaker or "", self.clock.now(),
                           cached=utterance.cached)
@@ -300,20 +300,21 @@ class IvrRunner:
         return True
 
     def _start_utterance(self, item: SayItem, template: str, text: str,
-                         voice: ScriptVoice) -> Utterance:
+                         voice: ScriptVoice, barge_in: bool) -> Utterance:
         static = not template_variables(template)
         cacheable = static or (isinstance(item, Sentence) and item.cache)
         turn, self._turn_at = self._turn_at, None
         if cacheable:
             pcm = self.ctx.cache.peek(self.ctx.key(text, voice))
             if pcm is not None:
-                return self.call.play(pcm, label=text, turn_started_at=turn)
+                return self.call.play(pcm, label=text, turn_started_at=turn,
+                                      interruptible=barge_in)
         speaker = self.ctx.speaker_for(voice)
         # A cacheable sentence rendered live (a miss) is stored under its voice's seed: it is
         # rendered with that seed, as ahead-of-time renders are, not unseeded.
         cache_voice = replace(speaker.voice, seed=voice.seed) if cacheable else None
         return speaker.say(self.call, text, turn_started_at=turn, capture=cacheable,
-                           voice=cache_voice)
+                           voice=cache_voice, interruptible=barge_in)
 
     def _after_utterance(self, text: str, voice: ScriptVoice, utterance: Utterance) -> None:
         # A cacheable sentence rendered live (a cache miss) is stored once complete.
@@ -330,7 +331,8 @@ class IvrRunner:
         if pcm is None:
             raise _Failed(f"sound {name!r} was not loaded")
         turn, self._turn_at = self._turn_at, None
-        utterance = self.call.play(pcm, label=f"file:{name}", turn_started_at=turn)
+        utterance = self.call.play(pcm, label=f"file:{name}", turn_started_at=turn,
+                                   interruptible=barge_in)
         return await self._wait_played(utterance, barge_in=barge_in)
 
     async def _wait_played(self, utterance: Utterance, *, barge_in: bool) -> bool:
