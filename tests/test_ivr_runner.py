@@ -799,6 +799,36 @@ async def test_a_trace_records_failed_webhooks_transfers_and_private_keys(
     assert trace["path"] == ["pin", "check", "agent"]
 
 
+async def test_a_caller_pressing_keys_without_end_gets_a_bounded_answer_and_trace(
+    speech: SpeechService, engine: Engine, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """300 keys during a notice that plays to its end, then 40 into a gather that waits for a
+    '#' that never comes: the answer ends at 32 digits (the longest a gather may ask for), and
+    the trace keeps its first 256 keys and counts the rest. Both grew with every key."""
+    from gateway.ivr.runner import MAX_ANSWER_DIGITS
+    from gateway.ivr.trace import MAX_KEYS
+
+    caplog.set_level("INFO", logger="gateway.ivr.runner")
+    script = parse_script(
+        "name: t\nvoice: {speaker: ryan}\nstart: a\nnodes:\n"
+        "  a: {say: 'Please listen to this notice.', barge_in: false, next: b}\n"
+        "  b:\n    gather: {terminator: '#', store: n, branch: {default: c}, fallback: c}\n"
+        "  c: {hangup: true}\n"
+    )
+    h = Harness(script, speech, engine)
+    await h.start(prerender=False)
+    await h.first_frame()
+    await h.press("1" * 300)
+    await h.waiting_for_input()
+    await h.press("2" * 40)
+    await h.finished()
+    assert h.runner.variables["n"] == "2" * MAX_ANSWER_DIGITS
+    assert h.runner.path == ["a", "b", "c"]
+    (trace,) = _trace_records(caplog)
+    assert len(trace["keys"]) == MAX_KEYS
+    assert trace["keys_dropped"] == 300 + MAX_ANSWER_DIGITS - MAX_KEYS
+
+
 async def test_a_caller_hanging_up_is_in_the_trace(
     demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine,
     caplog: pytest.LogCaptureFixture,

@@ -67,6 +67,9 @@ MAX_WEBHOOK_BYTES = 64 * 1024
 MAX_VARIABLE_CHARS = 200
 #: Nodes visited by one call before the runner gives up (a script loop with no caller input).
 MAX_STEPS = 1000
+#: Keys an answer collects at most (the longest ``digits`` a gather may ask for): a caller
+#: pressing keys without end, no terminator coming, still gets an answer, and a bounded one.
+MAX_ANSWER_DIGITS = 32
 
 
 class _CallEnded(Exception):
@@ -411,7 +414,7 @@ class IvrRunner:
         node = self.path[-1] if self.path else ""
         gather = self.script.nodes[node].gather if node in self.script.nodes else None
         shown = "*" if gather is not None and gather.private else digit
-        self.trace.keys.append(KeyPress(node, shown, self.clock.now()))
+        self.trace.key(KeyPress(node, shown, self.clock.now()))
 
     # --- gathering ----------------------------------------------------------------------------
 
@@ -443,7 +446,7 @@ class IvrRunner:
                 if gather.terminator is not None and digit == gather.terminator:
                     return "".join(entered)
                 entered.append(digit)
-                if gather.digits is not None and len(entered) >= gather.digits:
+                if len(entered) >= (gather.digits or MAX_ANSWER_DIGITS):
                     return "".join(entered)
             event = await self._next_event(timeout)
             if event is None:
