@@ -31,6 +31,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
@@ -398,7 +399,10 @@ async def _prepare_ivr(gateway: Gateway, engine: Engine, speaker: Speaker) -> No
     if unsupported:
         raise GatewayError(f"the script speaks {', '.join(unsupported)}, which {engine.name} "
                            f"does not (it speaks {', '.join(engine.languages)})")
-    clones = resolve_clones(script, settings.voices_dir)
+    # Disk reads (voices, sound files) in a worker thread: the SIP endpoint and /healthz are
+    # already answering on this loop.
+    clones = await asyncio.to_thread(resolve_clones, script, settings.voices_dir)
+    sounds = await asyncio.to_thread(_load_sounds, script)
     gateway.ivr = RunnerContext(
         script=script,
         cache=cache,
@@ -407,7 +411,7 @@ async def _prepare_ivr(gateway: Gateway, engine: Engine, speaker: Speaker) -> No
         speaker=speaker,
         audio=audio_identity(engine, conditioning(settings)),
         clock=gateway.clock,
-        sounds={name: load_sound(script_dir(script) / name) for name in script_sounds(script)},
+        sounds=sounds,
         clones=clones,
     )
     if settings.render_lazily:
@@ -424,6 +428,11 @@ def _warmup_voices(voice: Voice) -> list[tuple[str, str] | VoicePrompt]:
     if voice.prompt is not None:
         return [voice.prompt]
     return [(voice.speaker, voice.language)]
+
+
+def _load_sounds(script: Script) -> dict[str, np.ndarray]:
+    """Every sound file the script plays, as 8 kHz PCM (blocking: file reads, resampling)."""
+    return {name: load_sound(script_dir(script) / name) for name in script_sounds(script)}
 
 
 def script_dir(script: Script) -> Path:

@@ -151,23 +151,38 @@ async def render_missing(
     it in), rendering the missing ones through the scheduler.
 
     Returns ``(hits, rendered)``. Renders run concurrently, one per free slot.
+
+    Whatever touches the disk or costs milliseconds runs in a worker thread, never on the event
+    loop: it runs while the gateway already answers (a SIP endpoint is up before the engine
+    loads, and /healthz), and reading, hashing and decoding every cached prompt, or an fsynced
+    write per render, would stall all of it for as long.
     """
     hits = rendered = 0
     todo: list[tuple[PromptKey, SpeechRequest]] = []
     audio = audio_identity(speech.engines[0], conditioning)
-    for text, spec, resolved in renders(script, voice, clones):
-        key = prompt_key_for(spec, fingerprint, resolved.identity, text, audio)
-        if cache.get(key) is not None:
+    wanted = [(prompt_key_for(spec, fingerprint, resolved.identity, text, audio),
+               request_for(spec, text, resolved))
+              for text, spec, resolved in renders(script, voice, clones)]
+    # Loaded from disk, checksums verified, into memory: one thread hop for all of them.
+    found = await asyncio.to_thread(lambda: [cache.get(key) is not None for key, _ in wanted])
+    for (key, request), cached in zip(wanted, found, strict=True):
+        if cached:
             hits += 1
         else:
-            todo.append((key, request_for(spec, text, resolved)))
+            todo.append((key, request))
 
     async def render_one(key: PromptKey, request: SpeechRequest) -> None:
         nonlocal rendered
         t0 = time.monotonic()
         stream = speech.stream(request)
         chunks = [chunk async for chunk in stream]
-        cache.put(key, pcm_from_chunks(chunks, conditioning), render_s=time.monotonic() - t0)
+        render_s = time.monotonic() - t0
+
+        def store() -> None:
+            # The phone path over the whole prompt, then the atomic, fsynced write.
+            cache.put(key, pcm_from_chunks(chunks, conditioning), render_s=render_s)
+
+        await asyncio.to_thread(store)
         rendered += 1
 
     # Deadline order in the scheduler is submission order here; bound the burst by what the
