@@ -171,13 +171,13 @@ class SpeechStartDetector:
     __slots__ = (
         "_context",
         "_feeds",
-        "_fill",
         "_floor_i",
         "_history",
         "_in_run",
         "_min_silence",
         "_min_speech",
         "_neg_threshold",
+        "_pending",
         "_powers",
         "_run",
         "_session",
@@ -187,6 +187,7 @@ class SpeechStartDetector:
         "_speaking",
         "_table",
         "_threshold",
+        "_views",
         "_window",
         "_x",
         "events",
@@ -223,8 +224,11 @@ class SpeechStartDetector:
         self._min_speech = min_speech_ms * sample_rate // 1000
         self._min_silence = min_silence_ms * sample_rate // 1000
         self._session = session if session is not None else load_session()
-        # The model input: [context | window], filled in place frame by frame.
+        # The model input: [context | window], filled in place window by window; views of its
+        # window, of its context and of the window's tail (the next context).
         self._x = np.zeros((1, self._context + self._window), dtype=np.float32)
+        self._views = (self._x[0, self._context :], self._x[0, : self._context],
+                       self._x[0, -self._context :])
         self._feeds: dict[str, npt.NDArray[Any]] = {
             "input": self._x,
             "state": np.zeros(_STATE_SHAPE, dtype=np.float32),
@@ -240,7 +244,8 @@ class SpeechStartDetector:
         # min() of 31 floats costs a fraction of numpy's per-call overhead.
         self._powers = [math.inf] * max(1, round(NOISE_FLOOR_S * sample_rate / self._window))
         self._floor_i = 0
-        self._fill = 0
+        # Inbound codes not yet a whole window.
+        self._pending = bytearray()
         self._in_run = False
         self._run = 0
         self._silence = 0
@@ -273,7 +278,7 @@ class SpeechStartDetector:
         self._powers = [math.inf] * len(self._powers)
         self._skipped = 0
         self._floor_i = 0
-        self._fill = 0
+        self._pending.clear()
         self._in_run = False
         self._run = 0
         self._silence = 0
@@ -291,35 +296,34 @@ class SpeechStartDetector:
         Returns True when a speech start completed inside this audio: exactly once per caller
         turn, at the moment the speech has lasted ``min_speech_ms``.
         """
-        codes = np.frombuffer(frame, dtype=np.uint8)
-        n = codes.shape[0]
-        base = self.samples
+        pending = self._pending
+        pending += frame
+        n = len(frame)
         self.samples += n
+        window = self._window
+        if len(pending) < window:
+            return False
+        # Whole windows only reach numpy: one decode (a gather into the model's input) per 32 ms
+        # window instead of one or two per 20 ms frame.
+        first = self.samples - len(pending)  # the sample number of pending[0]
+        out = self._views[0]
+        table = self._table
         started = False
-        pos = 0
-        while pos < n:
-            take = min(self._window - self._fill, n - pos)
-            start = self._context + self._fill
+        offset = 0
+        while len(pending) - offset >= window:
             # mode="clip" lets take write straight into ``out`` (the default "raise" buffers);
             # a uint8 index can never be out of range of the 256-entry table anyway.
-            np.take(
-                self._table,
-                codes[pos : pos + take],
-                out=self._x[0, start : start + take],
-                mode="clip",
-            )
-            self._fill += take
-            pos += take
-            if self._fill == self._window and self._step():
+            table.take(np.frombuffer(pending, np.uint8, window, offset), out=out, mode="clip")
+            offset += window
+            if self._step():
                 started = True
-                self.last_event_sample = base + pos
+                self.last_event_sample = first + offset
+        del pending[:offset]
         return started
 
     def _step(self) -> bool:
-        x = self._x
-        context = self._context
-        window = x[0, context:]
-        power = float(np.dot(window, window)) / self._window
+        body, head, tail = self._views
+        power = float(body.dot(body)) / self._window
         powers = self._powers
         powers[self._floor_i] = power
         self._floor_i = (self._floor_i + 1) % len(powers)
@@ -327,10 +331,9 @@ class SpeechStartDetector:
         if not audible and self._skip_quiet and not (self._in_run or self._speaking):
             # Idle and quiet: whatever the model said, this window could not count towards a
             # start nor end anything (module docstring). Keep it for the look-back.
-            self._history[self._skipped % LOOKBACK_WINDOWS] = x
+            self._history[self._skipped % LOOKBACK_WINDOWS] = self._x
             self._skipped += 1
-            x[0, :context] = x[0, -context:]
-            self._fill = 0
+            head[...] = tail
             return False
         feeds = self._feeds
         if self._skipped:
@@ -339,8 +342,7 @@ class SpeechStartDetector:
         self.model_windows += 1
         feeds["state"] = state
         # The next window's context is the tail of this one (OnnxWrapper keeps it the same way).
-        x[0, :context] = x[0, -context:]
-        self._fill = 0
+        head[...] = tail
         p = float(out[0, 0])
         self.probability = p
         if not self._speaking:
