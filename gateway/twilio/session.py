@@ -286,6 +286,14 @@ class TwilioSession:
                     if isinstance(event, Media):
                         self._dropped()
                         continue
+                if type(event) is Media:
+                    # The per-frame case inline (no coroutine per message): caller audio, 20 ms
+                    # of mu-law, for liveness and the speech detector.
+                    self.inbound_frames += 1
+                    call = self.call
+                    if call is not None:
+                        call.inbound_audio(event.audio, now)
+                    continue
                 if not await self._dispatch(event, now):
                     return
         except CallProtocolError as exc:
@@ -313,14 +321,9 @@ class TwilioSession:
             self._dropped_metric.inc()
 
     async def _dispatch(self, event: object, now: float) -> bool:
-        """Act on one inbound event; False when the stream is over."""
+        """Act on one inbound event other than media (run() handles those inline); False when
+        the stream is over."""
         call = self.call
-        if isinstance(event, Media):
-            # Inbound caller audio, 20 ms of mu-law: liveness and the speech detector.
-            self.inbound_frames += 1
-            if call is not None:
-                call.inbound_audio(event.audio, now)
-            return True
         if isinstance(event, Dtmf):
             if call is not None:
                 call.dtmf(event.dtmf.digit)
