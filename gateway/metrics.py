@@ -45,6 +45,18 @@ class Metrics:
             "a half-open WebSocket, a lost SIP BYE).",
             ["transport"], registry=r,
         )
+        self.inbound_media_dropped = Counter(
+            "gateway_inbound_media_dropped_total",
+            "Inbound media messages (Twilio) or RTP packets (SIP) dropped unread because one "
+            "call's stream sent more than its rate cap (a flood; a normal stream sends 50/s).",
+            ["transport"], registry=r,
+        )
+        self.call_events_dropped = Counter(
+            "gateway_call_events_dropped_total",
+            "Inbound call events (keys, speech starts, marks) dropped because the call's "
+            "dialog had not read the last ones yet (its queue is bounded).",
+            ["transport"], registry=r,
+        )
         self.first_audio = Histogram(
             "gateway_first_audio_seconds",
             "Caller's turn (answer, DTMF, speech) to the first 20 ms frame sent; source is "

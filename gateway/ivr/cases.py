@@ -258,8 +258,10 @@ class _SilentSpeaker(Speaker):
         return _SilentSpeaker(voice)
 
     def say(self, call: Call, text: str, *, turn_started_at: float | None = None,
-            capture: bool = False, voice: SpeechVoice | None = None) -> Utterance:
-        return call.play(_SILENCE, label=text, turn_started_at=turn_started_at)
+            capture: bool = False, voice: SpeechVoice | None = None,
+            interruptible: bool = False) -> Utterance:
+        return call.play(_SILENCE, label=text, turn_started_at=turn_started_at,
+                         interruptible=interruptible)
 
 
 class _Backend:

@@ -158,6 +158,11 @@ async def render_missing(
     Returns ``(hits, rendered)``. Renders run concurrently, one per free slot; ``background``
     (a script reloaded while calls are up): on a quarter of the slots, queued behind every
     caller's turn of the next few seconds, so callers keep their first-audio budget.
+
+    Whatever touches the disk or costs milliseconds runs in a worker thread, never on the event
+    loop: it runs while the gateway already answers (a SIP endpoint is up before the engine
+    loads, and /healthz), and reading, hashing and decoding every cached prompt, or an fsynced
+    write per render, would stall all of it for as long.
     """
     rendered = 0
     audio = audio_identity(speech.engines[0], conditioning)
@@ -178,9 +183,13 @@ async def render_missing(
         stream = (speech.stream(request, turn_started_at=speech.clock() + BACKGROUND_DEFER_S)
                   if background else speech.stream(request))
         chunks = [chunk async for chunk in stream]
-        pcm = pcm_from_chunks(chunks, conditioning)
-        cache.put(key, pcm, render_s=time.monotonic() - t0, to_disk=False)
-        await asyncio.to_thread(cache.write, key, pcm)
+        render_s = time.monotonic() - t0
+
+        def store() -> None:
+            # The phone path over the whole prompt, then the atomic, fsynced write.
+            cache.put(key, pcm_from_chunks(chunks, conditioning), render_s=render_s)
+
+        await asyncio.to_thread(store)
         rendered += 1
 
     # Deadline order in the scheduler is submission order here; bound the burst by what the

@@ -14,7 +14,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CallTrace", "Heard", "KeyPress", "Visit", "WebhookCall"]
+__all__ = ["MAX_KEYS", "CallTrace", "Heard", "KeyPress", "Visit", "WebhookCall"]
+
+#: Keys a trace records (a caller could press keys for the whole call).
+MAX_KEYS = 256
 
 
 @dataclass
@@ -64,7 +67,9 @@ class CallTrace:
     started_at: float
     visits: list[Visit] = field(default_factory=list)
     heard: list[Heard] = field(default_factory=list)
+    #: The first :data:`MAX_KEYS` keys (``keys_dropped`` counts the rest).
     keys: list[KeyPress] = field(default_factory=list)
+    keys_dropped: int = 0
     webhooks: list[WebhookCall] = field(default_factory=list)
     #: (node, what it chose): a branch's case, "open"/"closed", a gather's answer kind.
     choices: list[tuple[str, str]] = field(default_factory=list)
@@ -85,6 +90,14 @@ class CallTrace:
     def path(self) -> list[str]:
         return [visit.node for visit in self.visits]
 
+    def key(self, press: KeyPress) -> None:
+        """Record a key, up to :data:`MAX_KEYS` of them (a trace is bounded however long the
+        call and however many keys its caller presses)."""
+        if len(self.keys) < MAX_KEYS:
+            self.keys.append(press)
+        else:
+            self.keys_dropped += 1
+
     def to_record(self) -> dict[str, Any]:
         """The trace as plain JSON-able data (the structured log record)."""
         # Field by field: asdict() of the whole trace would deep-copy on_waiting's target (an
@@ -95,6 +108,8 @@ class CallTrace:
             record["line"], record["version"] = self.line, self.version
         for part in ("visits", "heard", "keys", "webhooks"):
             record[part] = [asdict(entry) for entry in getattr(self, part)]
+        if self.keys_dropped:
+            record["keys_dropped"] = self.keys_dropped
         record["outcome"], record["target"] = self.outcome, self.target
         record["choices"] = [{"node": n, "chose": c} for n, c in self.choices]
         record["duration_s"] = (round(self.ended_at - self.started_at, 3)

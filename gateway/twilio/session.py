@@ -28,6 +28,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from gateway.call.events import CallOutcome, Codec
 from gateway.call.inactivity import InactivityWatch
+from gateway.call.inbound import InboundRate
 from gateway.call.lifecycle import CallLifecycle
 from gateway.call.playout import PlayoutPolicy
 from gateway.call.session import Call
@@ -78,6 +79,9 @@ AFTER_STREAM_HOPS = 2
 #: <Connect><Stream>); should it not within this long, the stream is closed from here and the
 #: outcome recorded for after-stream still holds on this replica.
 HANDOFF_S = 5.0
+
+#: How a media message Twilio sends begins (compact JSON, ``event`` first).
+_MEDIA_PREFIX = '{"event":"media"'
 
 
 @dataclass(frozen=True)
@@ -309,6 +313,10 @@ class TwilioSession:
                                          updater=updater, clock=lifecycle.clock)
         self.call: Call | None = None
         self.inbound_frames = 0
+        #: The cap on this stream's inbound message rate (:mod:`gateway.call.inbound`).
+        self.rate = InboundRate()
+        self._dropped_metric = (metrics.inbound_media_dropped.labels("twilio")
+                                if metrics is not None else None)
         self._watch: InactivityWatch | None = None
 
     @property
@@ -328,12 +336,15 @@ class TwilioSession:
                                      lambda: transport.abort("inbound timeout"), self.label)
         self._watch = watch
         received = 0
+        rate = self.rate
+        protocol = self.protocol
         try:
             while transport.aborted is None:
                 transport.receiving = True
                 message = await self.ws.receive()
                 transport.receiving = False
-                watch.touch(clock.now())
+                now = clock.now()
+                watch.touch(now)
                 if message["type"] == "websocket.disconnect":
                     log.info("call %s: socket closed by peer (code %s)", self.label,
                              message.get("code"))
@@ -341,17 +352,36 @@ class TwilioSession:
                 data = message.get("text")
                 if data is None:
                     data = message.get("bytes") or b""
-                event = self.protocol.receive(data)
-                if not await self._dispatch(event):
-                    return
                 # ws.receive() does not suspend while frames are queued: without a yield a client
                 # bursting thousands of messages would hold the event loop (and every other
-                # call's audio) until its whole burst was processed. In steady state (one
-                # message per 20 ms) receive() suspends anyway, so yield only every few
+                # call's audio) until its whole burst was read, dropped or not. In steady state
+                # (one message per 20 ms) receive() suspends anyway, so yield only every few
                 # messages rather than pay an extra loop turn per frame on every call.
                 received += 1
                 if received % YIELD_EVERY == 0:
                     await asyncio.sleep(0)
+                if rate.allow(now):
+                    event = protocol.receive(data)
+                elif isinstance(data, str) and data.startswith(_MEDIA_PREFIX):
+                    # Over the cap (a flood): media in the compact form Twilio sends is dropped
+                    # unread; anything else is read, and dropped if it is media after all.
+                    self._dropped()
+                    continue
+                else:
+                    event = protocol.receive(data)
+                    if isinstance(event, Media):
+                        self._dropped()
+                        continue
+                if type(event) is Media:
+                    # The per-frame case inline (no coroutine per message): caller audio, 20 ms
+                    # of mu-law, for liveness and the speech detector.
+                    self.inbound_frames += 1
+                    call = self.call
+                    if call is not None:
+                        call.inbound_audio(event.audio, now)
+                    continue
+                if not await self._dispatch(event, now):
+                    return
         except CallProtocolError as exc:
             if self.metrics is not None:
                 self.metrics.calls_closed_by_error.labels("twilio", type(exc).__name__).inc()
@@ -370,15 +400,17 @@ class TwilioSession:
             watch.cancel()
             await self._end()
 
-    async def _dispatch(self, event: object) -> bool:
-        """Act on one inbound event; False when the stream is over."""
+    def _dropped(self) -> None:
+        if self.rate.dropped == 1:
+            log.warning("call %s: inbound media over %g messages/s; dropping the excess",
+                        self.label, self.rate.rate)
+        if self._dropped_metric is not None:
+            self._dropped_metric.inc()
+
+    async def _dispatch(self, event: object, now: float) -> bool:
+        """Act on one inbound event other than media (run() handles those inline); False when
+        the stream is over."""
         call = self.call
-        if isinstance(event, Media):
-            # Inbound caller audio, 20 ms of mu-law: liveness and the speech detector.
-            self.inbound_frames += 1
-            if call is not None:
-                call.inbound_audio(event.audio)
-            return True
         if isinstance(event, Dtmf):
             if call is not None:
                 call.dtmf(event.dtmf.digit)
