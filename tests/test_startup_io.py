@@ -55,7 +55,7 @@ def _options(sip: tuple[str, int]) -> int:
 def test_start_up_disk_work_runs_off_the_loop_and_the_gateway_keeps_answering(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import gateway.app as app_module
+    import gateway.ivr.switchboard as switchboard_module
     from gateway.app import create_app
 
     (tmp_path / "ivr.yaml").write_text(SCRIPT)
@@ -65,7 +65,7 @@ def test_start_up_disk_work_runs_off_the_loop_and_the_gateway_keeps_answering(
     threads: dict[str, set[int]] = {"load_sound": set(), "cache.get": set(),
                                     "cache.write": set()}
     reading, release = threading.Event(), threading.Event()
-    load_sound = app_module.load_sound
+    load_sound = switchboard_module.load_sound
 
     def held_load_sound(path: Path) -> Any:
         threads["load_sound"].add(threading.get_ident())
@@ -73,7 +73,7 @@ def test_start_up_disk_work_runs_off_the_loop_and_the_gateway_keeps_answering(
         release.wait(30)  # on the loop (before), nothing else can run meanwhile
         return load_sound(path)
 
-    monkeypatch.setattr(app_module, "load_sound", held_load_sound)
+    monkeypatch.setattr(switchboard_module, "load_sound", held_load_sound)
     for name in ("get", "write"):
         real = getattr(PromptCache, name)
 
