@@ -385,10 +385,11 @@ async def test_a_healthy_call_keeps_its_audio_while_hostile_streams_run(
         # shared 2-core box a frame may land a few ms late now and then (the baseline window
         # shows the same); before sessions yielded between queued messages, the 5,000-message
         # flood held the loop for ~0.7 s and the healthy caller lost that much audio.
-        # The underrun bound is relative to the same call's baseline window, measured moments
-        # before on the same machine: the attack adds less than 100 ms of silence to what the
-        # machine's own load already costs (a busy CI box underran ~100 ms with no attack).
-        assert during["max_gap_ms"] < 200, during
+        # Both bounds are relative to the same call's baseline window, measured moments before
+        # on the same machine: the attack adds less than 200 ms to the longest gap and 100 ms
+        # of silence to what the machine's own load already costs (a busy box underran ~100 ms
+        # and gapped 229 ms with other jobs running).
+        assert during["max_gap_ms"] < 200 + before["max_gap_ms"], (before, during)
         assert during["worst_underrun_ms"] < 100 + before["worst_underrun_ms"], (before, during)
         assert not healthy.closed.is_set()
         await healthy.send_stop()
