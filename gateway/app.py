@@ -11,11 +11,16 @@ few narrow things it uses (STYLE.md rule 17). What is built, and who gets it:
   greeter), installed once the engine is ready.
 - :class:`~gateway.call.lifecycle.CallLifecycle` over those: what both transports ask.
 - The transports: the Twilio routes (lifecycle, signature checker, outcome store, their
-  config, metrics) and the SIP endpoint (lifecycle, UAS config, metrics).
+  config, metrics, and on a fleet the live-call updater that sends outcomes to Twilio's REST
+  API) and the SIP endpoint (lifecycle, UAS config, metrics).
 - The engine and :class:`~gateway.tts.service.SpeechService` (loaded in the background), the
-  prompt cache and the IVR runner's context, handed to the dialog factory.
-- The speech recogniser's worker pool (:class:`~gateway.asr.pool.RecognizerPool`), only when
-  the script has speech gathers; started beside the engine, handed to the runner's context.
+  prompt cache, and for an IVR the lines (:mod:`gateway.ivr.lines`: ``GATEWAY_LINES``, or the one
+  script of ``GATEWAY_SCRIPT``) made ready as the first
+  :class:`~gateway.ivr.switchboard.Version`: the :class:`~gateway.ivr.switchboard.Switchboard`
+  routes each call to its line, and the :class:`~gateway.ivr.switchboard.Reloader` installs
+  the next version when the files change (or on SIGHUP, :meth:`Gateway.request_reload`).
+- The speech recogniser's worker pool (:class:`~gateway.asr.pool.RecognizerPool`), when a
+  script has speech gathers; started beside the engine, handed to each line's runner context.
 
 ``/healthz`` answers 200 as soon as the process serves HTTP (liveness); ``/readyz`` answers 200
 only once the model is loaded and warmed (graph capture plus one generation), so a load
@@ -36,6 +41,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from gateway.aio import cancel_and_wait
 from gateway.asr.pool import RecognizerPool
 from gateway.audio.condition import Conditioning
 from gateway.call.admission import Admission
@@ -49,15 +55,10 @@ from gateway.demo import GreeterDialogs
 from gateway.errors import GatewayError
 from gateway.http_limits import RequestLimits
 from gateway.ivr.cache import PromptCache
-from gateway.ivr.prompts import (
-    ResolvedVoice,
-    audio_identity,
-    render_missing,
-    resolve_clones,
-    resolve_voice,
-)
-from gateway.ivr.runner import IvrDialogs, RunnerContext, load_sound
-from gateway.ivr.script import Script, load_script
+from gateway.ivr.lines import FileStamp, LinePlan, load_lines, single_script
+from gateway.ivr.prompts import resolve_voice
+from gateway.ivr.script import Script
+from gateway.ivr.switchboard import Reloader, Switchboard, VersionBuilder, script_voice
 from gateway.ivr.voices import VoiceRegistry
 from gateway.metrics import Metrics
 from gateway.readiness import Readiness
@@ -65,6 +66,7 @@ from gateway.sip.endpoint import SipEndpoint
 from gateway.speech import Speaker, Voice
 from gateway.tts.engine import Engine, VoicePrompt
 from gateway.tts.service import SpeechService
+from gateway.twilio.rest import CallUpdater
 from gateway.twilio.routes import build_router
 from gateway.twilio.session import Outcomes, TwilioConfig
 from gateway.twilio.signature import SignatureChecker
@@ -159,13 +161,20 @@ class Gateway:
     outcomes: Outcomes
     signatures: SignatureChecker
     twilio: TwilioConfig
-    #: The IVR script every call runs (None: the greeter).
-    script: Script | None = None
-    voice: ResolvedVoice | None = None
+    #: The lines and scripts as loaded at start-up (None: the greeter answers every call).
+    plan: LinePlan | None = None
+    #: The voice each script speaks with, warmed up with the engine.
+    voices: list[Voice] | None = None
     cache: PromptCache | None = None
     speech: SpeechService | None = None
-    ivr: RunnerContext | None = None
+    #: Routes calls to lines, in the version installed (once ready, for an IVR).
+    switchboard: Switchboard | None = None
+    #: Installs new versions of the lines and scripts (once ready, for an IVR).
+    reloader: Reloader | None = None
     sip: SipEndpoint | None = None
+    #: Live-call updates through Twilio's REST API (GATEWAY_TWILIO_ACCOUNT_SID), or None.
+    updater: CallUpdater | None = None
+    _reload_task: asyncio.Task[None] | None = None
     #: Where speech gathers' turns are recognised (None: no speech gathers, or speech is off).
     recognizer: RecognizerPool | None = None
 
@@ -174,6 +183,26 @@ class Gateway:
         if self.speech is None:
             raise RuntimeError("speech service not started")
         return self.speech
+
+    @property
+    def script(self) -> Script | None:
+        """The script of the default line in the version new calls run (None: the greeter)."""
+        if self.switchboard is not None:
+            version = self.switchboard.version
+            return version.plan.lines[version.plan.default].script
+        if self.plan is not None:
+            return self.plan.lines[self.plan.default].script
+        return None
+
+    def request_reload(self, reason: str = "SIGHUP") -> None:
+        """Reload the lines and scripts now (``gateway serve`` calls this on SIGHUP; safe from
+        a signal handler). Before the gateway is ready it is ignored: start-up reads the files
+        as they are then."""
+        if self.reloader is None:
+            log.warning("%s: no reload (%s)", reason,
+                        "no IVR script" if self.plan is None else "not ready yet")
+            return
+        self.reloader.request(reason)
 
     async def drain(self) -> None:
         """SIGTERM: stop taking calls, let the active ones finish within the grace period."""
@@ -200,17 +229,28 @@ def _detectors(settings: Settings) -> DetectorFactory | None:
     return detector
 
 
-def _recognizer(settings: Settings, script: Script) -> RecognizerPool | None:
-    """The recogniser pool for the script's speech gathers (None, and why logged, if off)."""
-    if not script.speech_gathers():
-        return None
+def _speech_gathers(plan: LinePlan) -> list[str]:
+    """``script: node`` of every speech gather in the plan's scripts."""
+    return [f"{path.name}: {name}" for path, script in plan.scripts().items()
+            for name in script.speech_gathers()]
+
+
+def _recognizer(settings: Settings, plan: LinePlan) -> RecognizerPool | None:
+    """The recogniser pool for the scripts' speech gathers (None, and why logged, if off).
+
+    Made whenever recognition is on, even when no script listens yet: a reload can add a speech
+    gather, and the pool's workers start only once a version has one
+    (:meth:`~gateway.ivr.switchboard.VersionBuilder.build`)."""
+    gathers = _speech_gathers(plan)
     if settings.asr == "off":
-        log.warning("GATEWAY_ASR=off: the script's speech gathers (%s) take keys only",
-                    ", ".join(script.speech_gathers()))
+        if gathers:
+            log.warning("GATEWAY_ASR=off: the speech gathers (%s) take keys only",
+                        ", ".join(gathers))
         return None
     if not settings.barge_in_on_speech:
-        log.warning("speech gathers need the caller-speech detector to find the caller's turn; "
-                    "GATEWAY_BARGE_IN_ON_SPEECH is off, so they take keys only")
+        if gathers:
+            log.warning("speech gathers need the caller-speech detector to find the caller's "
+                        "turn; GATEWAY_BARGE_IN_ON_SPEECH is off, so they take keys only")
         return None
     from gateway.asr.sphinx import PocketSphinxRecognizer
 
@@ -219,38 +259,38 @@ def _recognizer(settings: Settings, script: Script) -> RecognizerPool | None:
 
 
 async def _start_recognizer(gateway: Gateway) -> None:
-    """Start the recogniser's workers and compile the script's grammars; a failure leaves
-    speech gathers on keys (logged), never the gateway down."""
-    pool, script = gateway.recognizer, gateway.script
-    if pool is None or script is None:
+    """Start the recogniser's workers (~2 s each) while the engine loads, when a script at
+    start-up listens. A failure is logged and leaves speech gathers on keys, never the gateway
+    down (the version builder tries again and says so)."""
+    pool, plan = gateway.recognizer, gateway.plan
+    if pool is None or plan is None or not _speech_gathers(plan):
         return
-    t0 = gateway.clock.now()
     try:
         await pool.start()
-        for name in script.speech_gathers():
-            grammar = script.speech_grammar(name)
-            if grammar is not None:
-                await pool.prepare(grammar)
     except GatewayError as exc:
         log.error("speech recognition is unavailable (%s): speech gathers take keys only", exc)
-        return
     except Exception:
         log.exception("starting the speech recogniser failed: speech gathers take keys only")
-        return
-    log.info("speech recogniser ready: %s, %d worker(s), %d grammar(s) (%.1f s)", pool.name,
-             pool.workers, len(script.speech_gathers()), gateway.clock.now() - t0)
 
 
-def call_voice(settings: Settings, script: Script | None,
-               voice: ResolvedVoice | None) -> Voice:
-    """The voice calls speak with: the script's, else the configured speaker."""
-    if script is not None:
-        spec = script.voice
-        return Voice(speaker=(spec.speaker or "ryan").lower(), language=spec.language,
-                     instruct=spec.style, seed=None,
-                     prompt=voice.prompt if voice is not None else None)
+def greeter_voice(settings: Settings) -> Voice:
+    """The voice of the greeter (no script): the configured speaker."""
     return Voice(speaker=settings.speaker, language=settings.language,
                  instruct=settings.instruct, seed=settings.seed)
+
+
+def load_lines_setting(settings: Settings, stamps: dict[Path, FileStamp] | None = None
+                       ) -> LinePlan | None:
+    """``GATEWAY_LINES`` (or the one script of ``GATEWAY_SCRIPT``) loaded and validated: raises
+    :class:`~gateway.ivr.script.ScriptError` listing every problem; None when neither is set.
+    ``stamps`` is filled with the files read (:func:`gateway.ivr.lines.load_lines`)."""
+    voices = VoiceRegistry(settings.voices_dir)
+    if settings.lines is not None:
+        # GATEWAY_LINES supersedes GATEWAY_SCRIPT (Settings.superseded_script).
+        return load_lines(settings.lines, voice_exists=voices.exists, stamps=stamps)
+    if settings.script is not None:
+        return single_script(settings.script, voice_exists=voices.exists, stamps=stamps)
+    return None
 
 
 def create_app(
@@ -288,19 +328,22 @@ def create_app(
         outcomes=Outcomes(),
         signatures=SignatureChecker(None if settings.insecure else token, settings.public_url),
         twilio=TwilioConfig.from_settings(settings),
+        updater=CallUpdater.from_settings(settings, clock, metrics),
     )
-    if settings.script is not None:
-        # Refuse to start with an invalid script (ScriptError lists every problem), or with a
-        # cloned voice that is not registered.
-        registry_of_voices = VoiceRegistry(settings.voices_dir)
-        gateway.script = load_script(settings.script,
-                                     voice_exists=lambda name: registry_of_voices.exists(name))
-        gateway.voice = resolve_voice(gateway.script, settings.voices_dir)
+    # Refuse to start with an invalid lines file or script (ScriptError lists every problem),
+    # or with a cloned voice that is not registered, before the model is loaded.
+    if settings.superseded_script is not None:
+        log.warning("GATEWAY_LINES (%s) supersedes GATEWAY_SCRIPT (%s): calls run the lines' "
+                    "scripts", settings.lines, settings.superseded_script)
+    gateway.plan = load_lines_setting(settings)
+    if gateway.plan is not None:
+        gateway.voices = [script_voice(script, resolve_voice(script, settings.voices_dir))
+                          for script in gateway.plan.scripts().values()]
         gateway.cache = PromptCache(
             settings.cache_dir, max_memory_bytes=settings.cache_memory_mb * 1024 * 1024,
             metrics=metrics,
         )
-        gateway.recognizer = _recognizer(settings, gateway.script)
+        gateway.recognizer = _recognizer(settings, gateway.plan)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -309,6 +352,8 @@ def create_app(
             # with OPTIONS still sees the endpoint alive). Before the engine starts loading: a
             # bind that fails stops start-up with no load thread left running behind it.
             gateway.sip = await _start_sip(gateway, sip_socket)
+        if gateway.updater is not None:
+            await gateway.updater.start()
         loader = asyncio.create_task(_load(gateway, engine_factory))
         try:
             yield
@@ -316,7 +361,10 @@ def create_app(
             if gateway.sip is not None:
                 await gateway.sip.stop()
             loader.cancel()
+            await cancel_and_wait(gateway._reload_task, log=log, what="the script reloader")
             await lifecycle.close_all()
+            if gateway.updater is not None:
+                await gateway.updater.close()
             if gateway.recognizer is not None:
                 await gateway.recognizer.close()
             if gateway.speech is not None:
@@ -353,17 +401,19 @@ def create_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     app.include_router(build_router(lifecycle, gateway.signatures, gateway.outcomes,
-                                    gateway.twilio, metrics))
+                                    gateway.twilio, metrics, gateway.updater))
     return app
 
 
 async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
-    """Load and warm the engine off the event loop, install the dialogs, then report ready."""
+    """Load and warm the engine off the event loop, make the lines ready (or the greeter),
+    install the dialogs, then report ready."""
     clock = gateway.clock
     t0 = clock.now()
     settings = gateway.settings
-    voice = call_voice(settings, gateway.script, gateway.voice)
-    # The recogniser's workers start (~2 s each) while the engine loads.
+    voices = gateway.voices or [greeter_voice(settings)]
+    warmup = _warmup_voices(voices)
+    # The recogniser's workers start while the engine loads.
     recognizer = asyncio.create_task(_start_recognizer(gateway))
     try:
         if settings.barge_in_on_speech:
@@ -374,7 +424,7 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
         engines = list(await asyncio.to_thread(engine_factory, settings))
         # Every slot warms up (graph capture is per slot), each with every configured voice.
         for engine in engines:
-            await asyncio.to_thread(engine.warmup, _warmup_voices(voice))
+            await asyncio.to_thread(engine.warmup, warmup)
     except asyncio.CancelledError:
         recognizer.cancel()
         raise
@@ -393,26 +443,27 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
         ahead_high_s=settings.ahead_high_ms / 1000,
         ahead_low_s=settings.ahead_low_ms / 1000,
         step_timeout_s=settings.engine_step_timeout_ms / 1000 or None,
-        warmup_voices=_warmup_voices(voice),
+        warmup_voices=warmup,
     )
     speech.start()
     gateway.speech = speech
-    speaker = Speaker(speech, voice)
-    if gateway.script is not None and gateway.cache is not None:
+    if gateway.plan is not None and gateway.cache is not None:
         try:
-            await _prepare_ivr(gateway, engines[0], speaker)
+            await _prepare_ivr(gateway, engines[0])
         except Exception as exc:
             log.exception("preparing the IVR script failed")
             gateway.readiness.fail(f"preparing the IVR script failed: {exc}")
             return
     if gateway.dialogs.installed is None:
-        if gateway.ivr is not None:
-            gateway.dialogs.install(IvrDialogs(gateway.ivr))
+        if gateway.switchboard is not None:
+            gateway.dialogs.install(gateway.switchboard)
         else:
-            gateway.dialogs.install(GreeterDialogs(speaker, settings.greeting))
+            gateway.dialogs.install(GreeterDialogs(Speaker(speech, voices[0]), settings.greeting))
     gateway.readiness.mark_ready(engines[0].name)
     log.info("ready: %s, %d turn(s) at once (load + warm-up %.1f s)", engines[0].name,
              speech.capacity, clock.now() - t0)
+    if gateway.reloader is not None:
+        gateway._reload_task = asyncio.create_task(gateway.reloader.run(), name="reloader")
 
 
 async def _start_sip(gateway: Gateway, sock: socket.socket | None) -> SipEndpoint:
@@ -440,50 +491,38 @@ async def _start_sip(gateway: Gateway, sock: socket.socket | None) -> SipEndpoin
     return endpoint
 
 
-async def _prepare_ivr(gateway: Gateway, engine: Engine, speaker: Speaker) -> None:
-    """Build the runner context; load (and unless lazy, render) the script's static prompts."""
-    script, cache, settings = gateway.script, gateway.cache, gateway.settings
-    assert script is not None and cache is not None and gateway.speech is not None
-    assert gateway.voice is not None
-    # The script was validated against the published languages; this model may speak fewer.
-    unsupported = [lang for lang in script.languages_spoken()
-                   if lang.lower() not in {known.lower() for known in (*engine.languages, "Auto")}]
-    if unsupported:
-        raise GatewayError(f"the script speaks {', '.join(unsupported)}, which {engine.name} "
-                           f"does not (it speaks {', '.join(engine.languages)})")
-    clones = resolve_clones(script, settings.voices_dir)
-    gateway.ivr = RunnerContext(
-        script=script,
-        cache=cache,
-        model_fingerprint=engine.fingerprint,
-        voice_identity=gateway.voice.identity,
-        speaker=speaker,
-        audio=audio_identity(engine, conditioning(settings)),
-        clock=gateway.clock,
-        sounds={name: load_sound(script_dir(script) / name) for name in script_sounds(script)},
-        clones=clones,
-        recognizer=gateway.recognizer,
+async def _prepare_ivr(gateway: Gateway, engine: Engine) -> None:
+    """Make the start-up plan the first version (every static prompt loaded, and unless lazy
+    rendered) and build its switchboard and reloader."""
+    plan, cache, settings = gateway.plan, gateway.cache, gateway.settings
+    assert plan is not None and cache is not None and gateway.speech is not None
+    builder = VersionBuilder(
+        cache=cache, speech=gateway.speech, engine=engine, conditioning=conditioning(settings),
+        clock=gateway.clock, voices_dir=settings.voices_dir,
+        render_lazily=settings.render_lazily, recognizer=gateway.recognizer,
         metrics=gateway.metrics,
     )
-    if settings.render_lazily:
-        return
-    t0 = gateway.clock.now()
-    hits, rendered = await render_missing(script, cache, gateway.speech, engine.fingerprint,
-                                          gateway.voice, conditioning(settings), clones)
-    log.info("prompts ready: %d cached, %d rendered in %.1f s", hits, rendered,
-             gateway.clock.now() - t0)
+    version = await builder.build(plan, 1)
+    gateway.switchboard = Switchboard(version, gateway.metrics)
+    log.info("serving %s", plan.describe())
+    gateway.reloader = Reloader(
+        load=lambda stamps: _reload_plan(settings, stamps), builder=builder,
+        switchboard=gateway.switchboard, clock=gateway.clock,
+        interval_s=settings.reload_interval_s, metrics=gateway.metrics,
+    )
 
 
-def _warmup_voices(voice: Voice) -> list[tuple[str, str] | VoicePrompt]:
-    """Every voice calls will speak with: the script's (speaker or clone), else the setting."""
-    if voice.prompt is not None:
-        return [voice.prompt]
-    return [(voice.speaker, voice.language)]
+def _reload_plan(settings: Settings, stamps: dict[Path, FileStamp]) -> LinePlan:
+    plan = load_lines_setting(settings, stamps)
+    assert plan is not None  # a gateway serving an IVR has GATEWAY_LINES or GATEWAY_SCRIPT
+    return plan
 
 
-def script_dir(script: Script) -> Path:
-    return script.path.parent if script.path is not None else Path.cwd()
-
-
-def script_sounds(script: Script) -> list[str]:
-    return sorted({node.play for node in script.nodes.values() if node.play is not None})
+def _warmup_voices(voices: Sequence[Voice]) -> list[tuple[str, str] | VoicePrompt]:
+    """Every voice calls will speak with (speakers or clones), each once."""
+    out: list[tuple[str, str] | VoicePrompt] = []
+    for voice in voices:
+        entry = voice.prompt if voice.prompt is not None else (voice.speaker, voice.language)
+        if entry not in out:
+            out.append(entry)
+    return out

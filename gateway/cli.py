@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -127,20 +128,27 @@ def serve(
         str | None, typer.Option(help="Public https:// URL [GATEWAY_PUBLIC_URL].")
     ] = None,
     script: Annotated[
-        Path | None, typer.Option(help="IVR script to run [GATEWAY_SCRIPT].")
+        Path | None, typer.Option(help="IVR script to run for every call [GATEWAY_SCRIPT].")
+    ] = None,
+    lines: Annotated[
+        Path | None,
+        typer.Option(help="Lines file: a script per dialled number [GATEWAY_LINES]."),
     ] = None,
     sip: Annotated[
         str | None, typer.Option(help="SIP endpoint host:port, e.g. 0.0.0.0:5060 [GATEWAY_SIP].")
     ] = None,
 ) -> None:
-    """Run the gateway (HTTP webhooks + Twilio Media Streams WebSocket)."""
+    """Run the gateway (HTTP webhooks + Twilio Media Streams WebSocket, SIP with --sip).
+
+    The lines file and scripts are reloaded when they change on disk and on SIGHUP: a valid
+    edit is rendered, then takes new calls; an invalid one is logged and refused."""
     import uvicorn
 
     from gateway.app import create_app
 
     settings = _settings(
         host=host, port=port, model=model, device=device, public_url=public_url,
-        insecure=True if insecure else None, script=script, sip=sip,
+        insecure=True if insecure else None, script=script, lines=lines, sip=sip,
     )
     _setup_logging(settings.log_level, settings.log_format)
     settings.require_security()
@@ -149,17 +157,22 @@ def serve(
             "--insecure: Twilio signatures are NOT validated; never expose this to the internet"
         )
     from gateway.ivr.script import ScriptError
+    from gateway.net import bind
 
+    # First: every listening socket. A port in use is one line (ConfigError) naming its
+    # setting, before the script, the cache or the model is touched, and nothing is left
+    # loading behind it (uvicorn binds HTTP only after the app's lifespan has started the load).
+    http_socket = bind(settings.host, settings.port, kind="tcp", what="HTTP server",
+                       variable="GATEWAY_HOST/GATEWAY_PORT")
     sip_socket = None
-    if settings.sip_bind is not None:
-        from gateway.sip.endpoint import bind_udp
-
-        # First: a port in use is one line (ConfigError) before the script, the cache or the
-        # model is touched, and nothing is left loading behind it.
-        sip_socket = bind_udp(*settings.sip_bind)
     try:
+        if settings.sip_bind is not None:
+            from gateway.sip.endpoint import bind_udp
+
+            sip_socket = bind_udp(*settings.sip_bind)
         fastapi_app = create_app(settings, sip_socket=sip_socket)
     except BaseException as exc:
+        http_socket.close()
         if sip_socket is not None:
             sip_socket.close()
         if not isinstance(exc, ScriptError):
@@ -167,7 +180,8 @@ def serve(
         for diagnostic in exc.diagnostics:
             typer.echo(f"{diagnostic.file}:{diagnostic.line}:{diagnostic.column}: error: "
                        f"{diagnostic.message}", err=True)
-        raise GatewayError(f"refusing to start: {settings.script} has errors") from None
+        raise GatewayError(f"refusing to start: {settings.lines or settings.script} has errors"
+                           ) from None
     from gateway.http_limits import server_limits
     from gateway.logs import uvicorn_log_config
     from gateway.server import DrainingServer
@@ -195,7 +209,14 @@ def serve(
         server.should_exit = True
 
     gateway.readiness.on_fatal = on_fatal
-    server.run()
+    # SIGHUP: reload the lines and scripts now (the convention of daemons since inetd). The
+    # handler only hands the request to the event loop.
+    previous = signal.signal(signal.SIGHUP,
+                             lambda signum, frame: gateway.request_reload("SIGHUP"))
+    try:
+        server.run(sockets=[http_socket])
+    finally:
+        signal.signal(signal.SIGHUP, previous)
     if failure:
         raise GatewayError(failure[0])
     # Calls are drained and the app has shut down: leave now. The interpreter's own teardown
@@ -356,27 +377,33 @@ def voices_remove(
 
 @prompts_app.command("validate")
 def prompts_validate(
-    files: Annotated[list[Path], typer.Argument(help="IVR scripts (YAML).")],
+    files: Annotated[list[Path], typer.Argument(help="IVR scripts or lines files (YAML).")],
 ) -> None:
-    """Check scripts: schema and logic errors as file:line:column: message."""
-    from gateway.ivr.script import ScriptError, load_script
+    """Check scripts, or a lines file and every script it names: schema and logic errors as
+    file:line:column: message."""
+    from gateway.ivr.lines import load_plan
+    from gateway.ivr.script import ScriptError
     from gateway.ivr.voices import VoiceRegistry
 
     registry = VoiceRegistry(_settings().voices_dir)
     failed = 0
     for path in files:
         try:
-            script = load_script(path, voice_exists=registry.exists)
+            plan = load_plan(path, voice_exists=registry.exists)
         except ScriptError as exc:
             failed += 1
             for diagnostic in exc.diagnostics:
                 typer.echo(f"{diagnostic.file}:{diagnostic.line}:{diagnostic.column}: error: "
                            f"{diagnostic.message}", err=True)
             continue
-        typer.echo(f"{path}: ok ({len(script.nodes)} nodes, "
-                   f"{len(script.static_sentences())} cached sentences)")
+        if not plan.single:
+            typer.echo(f"{path}: ok ({len(plan.lines)} lines, {len(plan.numbers)} numbers, "
+                       f"default {plan.default!r})")
+        for script_path, script in plan.scripts().items():
+            typer.echo(f"{script_path}: ok ({len(script.nodes)} nodes, "
+                       f"{len(script.static_sentences())} cached sentences)")
     if failed:
-        raise GatewayError(f"{failed} of {len(files)} script(s) have errors")
+        raise GatewayError(f"{failed} of {len(files)} file(s) have errors")
 
 
 @prompts_app.command("graph")
@@ -427,17 +454,19 @@ def prompts_test(
 
 @prompts_app.command("render")
 def prompts_render(
-    files: Annotated[list[Path], typer.Argument(help="IVR scripts (YAML).")],
+    files: Annotated[list[Path], typer.Argument(help="IVR scripts or lines files (YAML).")],
     model: Annotated[str | None, typer.Option(help="Model id or local directory.")] = None,
     device: Annotated[str | None, typer.Option(help="auto|cpu|cuda.")] = None,
     cache_dir: Annotated[
         Path | None, typer.Option(help="Prompt cache directory [GATEWAY_CACHE_DIR].")
     ] = None,
 ) -> None:
-    """Pre-render every static prompt into the cache (resumable: present ones are skipped)."""
+    """Pre-render every static prompt of the scripts (of a lines file: of every script it
+    names) into the cache (resumable: present ones are skipped)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gateway.ivr.cache import PromptCache, PromptKey
+    from gateway.ivr.lines import load_plan
     from gateway.ivr.prompts import (
         audio_identity,
         pcm_from_chunks,
@@ -447,7 +476,7 @@ def prompts_render(
         resolve_clones,
         resolve_voice,
     )
-    from gateway.ivr.script import ScriptError, load_script
+    from gateway.ivr.script import ScriptError
     from gateway.tts.engine import SpeechRequest
     from gateway.tts.service import SpeechService
 
@@ -456,7 +485,9 @@ def prompts_render(
     if settings.cache_dir is None:
         raise GatewayError("rendering needs a cache directory (--cache-dir)")
     try:
-        scripts = [load_script(path) for path in files]
+        # Each script once, however many lines or files name it.
+        scripts = list({script_path: script for path in files
+                        for script_path, script in load_plan(path).scripts().items()}.values())
     except ScriptError as exc:
         raise GatewayError(f"invalid script:\n{exc}") from None
     _require_model(settings.model)

@@ -15,6 +15,7 @@ waits. Everything else (deadlines, pacing) is arithmetic on :meth:`Clock.now`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import time
@@ -23,7 +24,7 @@ from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["Cancellable", "Clock", "SystemClock", "VirtualClock"]
+__all__ = ["Cancellable", "Clock", "SystemClock", "VirtualClock", "wait_for"]
 
 T = TypeVar("T")
 
@@ -85,13 +86,35 @@ class SystemClock:
         await asyncio.sleep(max(0.0, seconds))
 
     async def wait_for(self, awaitable: Awaitable[T], seconds: float | None) -> T:
-        return await asyncio.wait_for(awaitable, seconds)
+        return await wait_for(awaitable, seconds)
 
     def timeout(self, seconds: float | None) -> AbstractAsyncContextManager[object]:
         return asyncio.timeout(seconds)
 
     def call_later(self, seconds: float, callback: Callable[[], None]) -> Cancellable:
         return asyncio.get_running_loop().call_later(max(0.0, seconds), callback)
+
+
+async def wait_for(awaitable: Awaitable[T], seconds: float | None) -> T:
+    """:func:`asyncio.wait_for` as Python 3.12 implements it, on :func:`asyncio.timeout`.
+
+    Python 3.11's own returns the awaitable's result when the waiting task is cancelled in the
+    loop turn that the awaitable completes (bpo-42130): the cancellation is lost, and a task
+    that loops on a timed wait (the SIP endpoint's timers, woken by the very request that
+    stops it) never ends, so whoever stops it waits for ever.
+    """
+    if seconds is None:
+        return await awaitable
+    if seconds <= 0:
+        future = asyncio.ensure_future(awaitable)
+        if future.done():
+            return future.result()
+        future.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await future
+        raise TimeoutError
+    async with asyncio.timeout(seconds):
+        return await awaitable
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.errors import ConfigError
@@ -114,6 +114,18 @@ class Settings(BaseSettings):
         None,
         description="IVR script (YAML) to run for every call; unset: greet and read back keys.",
     )
+    lines: Path | None = Field(
+        None,
+        description="Lines file (YAML): which script answers which dialled number (Twilio's "
+        "To, a SIP Request-URI user), and the default line for the rest. Supersedes "
+        "GATEWAY_SCRIPT.",
+    )
+    reload_interval_s: float = Field(
+        2, ge=0, le=3600,
+        description="How often gateway serve checks the lines file and scripts for edits; a "
+        "valid edit is rendered, then takes new calls (calls in progress keep theirs). 0: "
+        "only on SIGHUP.",
+    )
     cache_dir: Path | None = Field(
         Path.home() / ".cache" / "qwen3-tts-gateway" / "prompts",
         description="Prompt cache directory (WAV + JSON per prompt); empty: memory only.",
@@ -189,6 +201,27 @@ class Settings(BaseSettings):
     twilio_auth_token: SecretStr | None = Field(
         None, description="Twilio auth token used to validate X-Twilio-Signature."
     )
+    twilio_account_sid: str | None = Field(
+        None,
+        description="Twilio account SID (AC...): with it, the replica running a call's stream "
+        "sends the call's transfer or hang-up to Twilio as a live-call update (REST), so the "
+        "outcome holds whichever replica Twilio's next request reaches. Needs "
+        "GATEWAY_TWILIO_API_KEY_SID/SECRET or GATEWAY_TWILIO_AUTH_TOKEN.",
+    )
+    twilio_api_key_sid: str | None = Field(
+        None, description="Twilio API key SID (SK...) for live-call updates (else the auth token)."
+    )
+    twilio_api_key_secret: SecretStr | None = Field(
+        None, description="The API key's secret."
+    )
+    twilio_api_base: str = Field(
+        "https://api.twilio.com",
+        description="Base URL of Twilio's REST API (a regional host, or a stand-in in tests).",
+    )
+    twilio_api_timeout_s: float = Field(
+        3, gt=0, le=30,
+        description="Each live-call update attempt's timeout (3 attempts, backoff 0.5 s then 1 s).",
+    )
     insecure: bool = Field(
         False, description="Skip Twilio signature validation (local testing only)."
     )
@@ -225,6 +258,13 @@ class Settings(BaseSettings):
         description="A Media Stream with no inbound message for this long is dead (Twilio sends "
         "media every 20 ms) and its call is ended; 0: never.",
     )
+    twilio_reservation_s: float = Field(
+        5, ge=0, le=60,
+        description="How long the voice webhook holds a seat for the Media Stream it answers "
+        "with (Twilio connects it within a second or two); an unclaimed one lapses. 0: hold "
+        "none, only check there is room (a fleet behind a load balancer without stickiness, "
+        "where the stream may connect to any replica).",
+    )
     frames_per_message: int = Field(
         50, ge=1, le=500, description="Max 20 ms frames batched into one outbound media message."
     )
@@ -250,10 +290,17 @@ class Settings(BaseSettings):
         "text", description="text: one readable line per record; json: JSON lines with call_id."
     )
 
-    @field_validator("cache_dir", mode="before")
+    @field_validator("cache_dir", "script", "lines", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
+
+    @property
+    def superseded_script(self) -> Path | None:
+        """``GATEWAY_SCRIPT`` when ``GATEWAY_LINES`` is set too: the lines file wins (the image
+        bakes in a ``GATEWAY_SCRIPT``; setting ``GATEWAY_LINES`` on top must be enough), and the
+        gateway says so at start-up."""
+        return self.script if self.lines is not None else None
 
     # The SIP settings are strings in the environment; each is checked here, once, so a bad
     # value stops start-up naming its variable (an inverted RTP range used to give every call
@@ -317,6 +364,49 @@ class Settings(BaseSettings):
         if parts.scheme not in ("https", "http") or not parts.netloc:
             raise ValueError("public_url must look like https://ivr.example.com")
         return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+
+    @field_validator("twilio_account_sid")
+    @classmethod
+    def _check_account_sid(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not re.fullmatch(r"AC[0-9a-f]{32}", value):
+            raise ValueError("GATEWAY_TWILIO_ACCOUNT_SID must be AC followed by 32 hex digits "
+                             "(the Account SID on the Twilio console)")
+        return value
+
+    @field_validator("twilio_api_key_sid")
+    @classmethod
+    def _check_api_key_sid(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not re.fullmatch(r"SK[0-9a-f]{32}", value):
+            raise ValueError("GATEWAY_TWILIO_API_KEY_SID must be SK followed by 32 hex digits")
+        return value
+
+    @field_validator("twilio_api_base")
+    @classmethod
+    def _check_api_base(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("https", "http") or not parts.netloc or parts.query:
+            raise ValueError("GATEWAY_TWILIO_API_BASE must look like https://api.twilio.com")
+        return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+
+    @model_validator(mode="after")
+    def _check_twilio_credentials(self) -> Settings:
+        key, secret = self.twilio_api_key_sid, self.twilio_api_key_secret
+        if (key is None) != (secret is None or not secret.get_secret_value()):
+            raise ValueError("GATEWAY_TWILIO_API_KEY_SID and GATEWAY_TWILIO_API_KEY_SECRET go "
+                             "together: set both or neither")
+        if key is not None and self.twilio_account_sid is None:
+            raise ValueError("GATEWAY_TWILIO_API_KEY_SID is set without "
+                             "GATEWAY_TWILIO_ACCOUNT_SID (the account whose calls it updates)")
+        token = self.twilio_auth_token.get_secret_value() if self.twilio_auth_token else ""
+        if self.twilio_account_sid is not None and key is None and not token:
+            raise ValueError("GATEWAY_TWILIO_ACCOUNT_SID is set but there is nothing to "
+                             "authenticate with: set GATEWAY_TWILIO_API_KEY_SID and _SECRET, or "
+                             "GATEWAY_TWILIO_AUTH_TOKEN")
+        return self
 
     @property
     def sip_bind(self) -> tuple[str, int] | None:
@@ -391,8 +481,12 @@ def settings_error(exc: ValidationError) -> str:
     """One line per rejected setting, each naming its environment variable."""
     lines = []
     for error in exc.errors():
-        field = ".".join(str(part) for part in error["loc"]) or "?"
         message = error["msg"].removeprefix("Value error, ")
+        if not error["loc"]:
+            # A check across settings (a model validator): its message names them all.
+            lines.append(message)
+            continue
+        field = ".".join(str(part) for part in error["loc"])
         variable = f"GATEWAY_{field.upper()}"
         lines.append(message if message.startswith(variable) else f"{variable}: {message}")
     return "; ".join(lines)

@@ -219,4 +219,9 @@ def server_limits(settings: Settings) -> dict[str, Any]:
         "timeout_keep_alive": 15,
         # h11 only (httptools has no such limit; the guard above covers both).
         "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+        # No permessage-deflate (RFC 7692) on media streams, whatever the client offers: each
+        # stream would hold its own zlib state (tens of KiB with websockets' defaults) and every
+        # 20 ms message be inflated, every outbound one deflated, for base64 mu-law, which
+        # barely shrinks.
+        "ws_per_message_deflate": False,
     }

@@ -25,11 +25,13 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # ``line``: the line a call reached (gateway.ivr.lines): a configured line's name, or
+        # "default" for every number no line lists, so the label set stays bounded.
         self.calls_active = Gauge(
-            "gateway_calls_active", "Calls in progress.", ["transport"], registry=r
+            "gateway_calls_active", "Calls in progress.", ["transport", "line"], registry=r
         )
         self.calls_total = Counter(
-            "gateway_calls_total", "Calls started.", ["transport"], registry=r
+            "gateway_calls_total", "Calls started.", ["transport", "line"], registry=r
         )
         self.calls_closed_by_error = Counter(
             "gateway_calls_protocol_errors_total",
@@ -43,23 +45,41 @@ class Metrics:
             "a half-open WebSocket, a lost SIP BYE).",
             ["transport"], registry=r,
         )
+        self.inbound_media_dropped = Counter(
+            "gateway_inbound_media_dropped_total",
+            "Inbound media messages (Twilio) or RTP packets (SIP) dropped unread because one "
+            "call's stream sent more than its rate cap (a flood; a normal stream sends 50/s).",
+            ["transport"], registry=r,
+        )
+        self.call_events_dropped = Counter(
+            "gateway_call_events_dropped_total",
+            "Inbound call events (keys, speech starts, marks) dropped because the call's "
+            "dialog had not read the last ones yet (its queue is bounded).",
+            ["transport"], registry=r,
+        )
         self.first_audio = Histogram(
             "gateway_first_audio_seconds",
             "Caller's turn (answer, DTMF, speech) to the first 20 ms frame sent; source is "
             "cached (a prompt from the cache) or live (generated for this turn).",
-            ["transport", "source"],
+            ["transport", "source", "line"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.turns = Counter(
-            "gateway_turns_total", "Caller turns answered with audio.", ["transport", "source"],
-            registry=r,
+            "gateway_turns_total", "Caller turns answered with audio.",
+            ["transport", "source", "line"], registry=r,
         )
         self.calls_refused = Counter(
             "gateway_calls_refused_total",
             "Calls turned away: at capacity, draining, or not ready yet.",
             ["transport", "reason"],
             registry=r,
+        )
+        self.seats = Gauge(
+            "gateway_seats",
+            "Seats of GATEWAY_MAX_CALLS taken: by calls (ringing SIP calls included) or by voice "
+            "webhook reservations whose streams have not connected here yet.",
+            ["kind"], registry=r,
         )
         self.draining = Gauge(
             "gateway_draining", "1 from SIGTERM until exit: no new calls are taken.", registry=r
@@ -73,7 +93,7 @@ class Metrics:
         self.gpu_memory.labels("allocated").set_function(lambda: _cuda_memory("allocated"))
         self.gpu_memory.labels("reserved").set_function(lambda: _cuda_memory("reserved"))
         self.barge_ins = Counter(
-            "gateway_barge_ins_total", "Utterances stopped by the caller.", ["transport"],
+            "gateway_barge_ins_total", "Utterances stopped by the caller.", ["transport", "line"],
             registry=r,
         )
         self.signature_rejections = Counter(
@@ -81,6 +101,24 @@ class Metrics:
             "Requests refused for a missing or bad X-Twilio-Signature.",
             ["endpoint"],
             registry=r,
+        )
+        self.twilio_updates = Counter(
+            "gateway_twilio_call_updates_total",
+            "Outcomes sent to Twilio as live-call updates (REST): delivered, failed (every "
+            "attempt failed: the call falls back on after-stream; an alarm), or moot (the "
+            "stream ended before a retry).",
+            ["result"], registry=r,
+        )
+        self.twilio_update_retries = Counter(
+            "gateway_twilio_call_update_retries_total",
+            "Live-call update attempts retried after a timeout, a connection error, 429 or 5xx.",
+            registry=r,
+        )
+        self.twilio_after_stream = Counter(
+            "gateway_twilio_after_stream_total",
+            "<Connect action> requests by answer: outcome (this replica ran the stream), retry "
+            "(unknown here: wait and ask again through the balancer) or hangup.",
+            ["answer"], registry=r,
         )
         self.http_aborted = Counter(
             "gateway_http_aborted_requests_total",
@@ -174,7 +212,23 @@ class Metrics:
         )
         self.speech_failures = Counter(
             "gateway_speech_failures_total", "Utterances a caller did not hear because TTS failed.",
-            ["transport"], registry=r,
+            ["transport", "line"], registry=r,
+        )
+        self.script_reloads = Counter(
+            "gateway_script_reloads_total",
+            "New versions of the lines and scripts installed without a restart (files changed "
+            "on disk, or SIGHUP).", registry=r,
+        )
+        self.script_reload_errors = Counter(
+            "gateway_script_reload_errors_total",
+            "Reloads refused (an invalid edit, a voice or model that cannot serve it): the "
+            "previous version keeps serving; the errors are in the log as file:line:column.",
+            registry=r,
+        )
+        self.script_version = Gauge(
+            "gateway_script_version",
+            "Version of the lines and scripts new calls run (1 at start, +1 per reload).",
+            registry=r,
         )
 
         self.speech_turns = Counter(

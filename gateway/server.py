@@ -40,6 +40,14 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # uvicorn announces the address only for sockets it bound itself; ``gateway serve``
+        # binds its own first (gateway.net), so say where it listens here.
+        for sock in sockets or []:
+            host, port = sock.getsockname()[:2]
+            log.info("HTTP and WebSocket on http://%s:%d", host, port)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the signal handler (main thread, between two bytecodes of the event loop):
         # only schedule work on the loop from here. Unlike uvicorn's handler, the signal is

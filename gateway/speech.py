@@ -55,14 +55,17 @@ class Speaker:
         )
 
     def say(self, call: Call, text: str, *, turn_started_at: float | None = None,
-            capture: bool = False, voice: Voice | None = None) -> Utterance:
+            capture: bool = False, voice: Voice | None = None,
+            interruptible: bool = False) -> Utterance:
         """Start ``call`` saying ``text`` (live generation); returns at once with the handle.
 
         ``voice``: a variant of this speaker's voice for this sentence (the IVR runner renders
-        a sentence it will cache with the script's seed)."""
+        a sentence it will cache with the script's seed); ``interruptible``: the caller's
+        speech may stop it (:meth:`Call.speak`)."""
 
         def open_stream(utterance: Utterance) -> AudioStream:
             return self.speech.stream(self.request(text, call.call_id, utterance.id, voice),
                                       turn_started_at=utterance.turn_started_at)
 
-        return call.speak(text, open_stream, turn_started_at=turn_started_at, capture=capture)
+        return call.speak(text, open_stream, turn_started_at=turn_started_at, capture=capture,
+                          interruptible=interruptible)

@@ -1,8 +1,11 @@
 # Twilio reaches the gateway here: POST /twilio/voice (webhook) and the Media Streams WebSocket
 # (wss:// .../twilio/media). ALB listeners pass the WebSocket upgrade through without any extra
 # configuration; the upgraded connection then stays on the task that accepted it. No stickiness
-# is needed between the webhook and the stream: the TwiML carries the call's parameters
-# (CallSid, From, To) into the stream, so any ready task can take the stream.
+# is needed between the webhook, the stream and the <Connect action>: the TwiML carries the
+# call's parameters (CallSid, From, To) into the stream, so any ready task can take the stream
+# (against its own call budget: the webhook reserves nothing, GATEWAY_TWILIO_RESERVATION_S=0),
+# and the task running the stream sends the call's transfer or hang-up to Twilio itself as a
+# live-call update (var.twilio_account_sid), whichever task Twilio's next request reaches.
 
 resource "aws_lb" "alb" {
   name               = "${var.name}-alb"

@@ -1,6 +1,6 @@
 # Scaling on active calls per task.
 #
-# How the metric is produced: the gateway exposes gateway_calls_active{transport=...} on
+# How the metric is produced: the gateway exposes gateway_calls_active{transport,line} on
 # /metrics (Prometheus). A CloudWatch agent sidecar in the same task (host network, so it
 # scrapes 127.0.0.1:<container_port>) reads it every minute and writes embedded-metric-format
 # records to the metrics log group; CloudWatch turns them into the metric
@@ -9,9 +9,9 @@
 # exactly one sample per task per scrape, which counts the tasks reporting.
 #
 # Per-task average = Sum(calls samples) / SampleCount(task samples) over the same minute: the
-# transport label makes one series per transport, so an Average of gateway_calls_active would
-# divide by tasks x transports; both metrics come from the same scrapes, so the ratio is exact
-# whatever the scrape alignment. Target tracking keeps it near target_calls_per_task.
+# transport and line labels make one series per transport and line, so an Average of
+# gateway_calls_active would divide by tasks x series; both metrics come from the same scrapes,
+# so the ratio is exact whatever the scrape alignment. Target tracking keeps it near target_calls_per_task.
 #
 # Why not ALB metrics: ActiveConnectionCount is per load balancer (not per target) and counts
 # webhook connections too; RequestCountPerTarget counts one request per call (the upgrade) no

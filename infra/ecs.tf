@@ -76,6 +76,10 @@ locals {
     GATEWAY_LOG_FORMAT    = "json"
     GATEWAY_DRAIN_GRACE_S = tostring(var.drain_grace_s)
     GATEWAY_MAX_CALLS     = tostring(var.max_calls_per_task)
+    # The ALB sends a call's stream to any task, so the task answering the voice webhook holds
+    # no seat for it (it would be a phantom seat on every other task): each task admits the
+    # streams it gets against its own GATEWAY_MAX_CALLS (README "Several replicas").
+    GATEWAY_TWILIO_RESERVATION_S = "0"
   }
   sip_environment = {
     GATEWAY_SIP       = "0.0.0.0:${local.sip_port}"
@@ -85,8 +89,9 @@ locals {
     # below looks it up in the instance metadata at start.
   }
   optional_environment = {
-    GATEWAY_MODEL  = var.model_id
-    GATEWAY_SCRIPT = var.ivr_script
+    GATEWAY_MODEL              = var.model_id
+    GATEWAY_SCRIPT             = var.ivr_script
+    GATEWAY_TWILIO_ACCOUNT_SID = var.twilio_account_sid
   }
   container_environment = merge(
     local.gateway_environment,

@@ -387,6 +387,17 @@ variable "log_retention_days" {
   }
 }
 
+variable "twilio_account_sid" {
+  description = "GATEWAY_TWILIO_ACCOUNT_SID: the Twilio account (AC...) whose calls the tasks update. Set it: with several tasks behind the ALB, the task running a call's stream sends the call's transfer or hang-up to Twilio as a live-call update (REST API, authenticated with the auth token secret); without it, /twilio/after-stream may reach a task that does not know the call's transfer. null: one task only."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.twilio_account_sid == null || can(regex("^AC[0-9a-f]{32}$", var.twilio_account_sid))
+    error_message = "twilio_account_sid must be AC followed by 32 hex digits (the Account SID on the Twilio console)."
+  }
+}
+
 variable "twilio_auth_token_secret_arn" {
   description = "Existing Secrets Manager secret (whole-secret ARN) holding the Twilio auth token; null creates an empty one whose value you set out of band."
   type        = string

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
-from gateway.clock import VirtualClock
+from gateway.clock import VirtualClock, wait_for
 
 __all__ = ["LoopClock", "VirtualClock"]
 
@@ -42,7 +42,7 @@ class LoopClock:
         await asyncio.sleep(max(0.0, seconds))
 
     async def wait_for(self, awaitable: Awaitable[T], seconds: float | None) -> T:
-        return await asyncio.wait_for(awaitable, seconds)
+        return await wait_for(awaitable, seconds)  # not asyncio's: see gateway.clock.wait_for
 
     def timeout(self, seconds: float | None) -> AbstractAsyncContextManager[object]:
         return asyncio.timeout(seconds)

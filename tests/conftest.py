@@ -105,7 +105,8 @@ def tiny_engine(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
     """The real QwenEngine over the tiny checkpoint, on CPU."""
     from gateway.tts.qwen import QwenEngine
 
-    engine = QwenEngine(model=str(tiny_model_dir), device="cpu")
+    # Recording codes: tests compare what was generated with what was decoded.
+    engine = QwenEngine(model=str(tiny_model_dir), device="cpu", record_codes=True)
     engine.warmup()
     return engine
 

@@ -21,13 +21,15 @@ from sip_peers import free_port
 
 @dataclass
 class GatewayProcess:
-    """``gateway serve --insecure`` with ``GATEWAY_*`` settings from ``env``."""
+    """``gateway serve --insecure`` with ``GATEWAY_*`` settings from ``env`` (``insecure``
+    False: signatures are checked, ``env`` gives GATEWAY_TWILIO_AUTH_TOKEN)."""
 
     model_dir: Path
     workdir: Path
     env: dict[str, str] = field(default_factory=dict)
     sip: bool = False
     name: str = "gateway"
+    insecure: bool = True
 
     def __post_init__(self) -> None:
         self.port = free_port(kind=socket.SOCK_STREAM)
@@ -59,7 +61,7 @@ class GatewayProcess:
             env.setdefault("GATEWAY_RTP_PORTS", f"{rtp}-{rtp + 40}")
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--insecure"],
+            [sys.executable, "-m", "gateway", "serve", *(["--insecure"] if self.insecure else [])],
             env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )
         return self

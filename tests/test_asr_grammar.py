@@ -141,10 +141,13 @@ def _arpa(text: str) -> tuple[dict[str, tuple[float, float]], dict[tuple[str, st
     return uni, bi
 
 
+@pytest.mark.parametrize("compound", [True, False])
 @pytest.mark.parametrize("digits", [None, 6])
-def test_open_pass_language_model_is_a_normalised_bigram(digits: int | None) -> None:
+def test_open_pass_language_model_is_a_normalised_bigram(digits: int | None,
+                                                         compound: bool) -> None:
     """Every context's explicit bigrams plus its backed-off unigrams sum to one (ARPA backoff)."""
-    uni, bi = _arpa(_open_lm(SpeechGrammar.build(MENU, digits=digits), 0.999, 300))
+    uni, bi = _arpa(_open_lm(SpeechGrammar.build(MENU, digits=digits), 0.999, 300,
+                             compound=compound))
     assert len(uni) > 300
     for context in {h for h, _ in bi}:
         explicit = {w: 10 ** p for (h, w), p in bi.items() if h == context}
@@ -154,6 +157,12 @@ def test_open_pass_language_model_is_a_normalised_bigram(digits: int | None) -> 
         assert math.isclose(total, 1.0, rel_tol=1e-4), (context, total)
     phrase_starts = sum(10 ** p for (h, w), p in bi.items() if h == "<s>")
     assert math.isclose(phrase_starts, 0.999, rel_tol=1e-4)
-    assert ("account", "balance") in bi and ("agent", "please") in bi
+    if compound:
+        # A multi-word phrase is one word, reached from the start; the polite words follow it.
+        assert ("<s>", "account_balance") in bi and ("account", "balance") not in bi
+        assert ("account_balance", "please") in bi
+    else:
+        assert ("account", "balance") in bi
+    assert ("agent", "please") in bi
     if digits:
         assert ("four", "seven") in bi

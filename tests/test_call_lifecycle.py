@@ -31,6 +31,7 @@ from gateway.call import (
     HangUp,
     Hangup,
     Playout,
+    SpeechStarted,
     TransferTo,
 )
 from gateway.metrics import Metrics
@@ -147,9 +148,15 @@ class Dialogs:
         self.hangups: list[Hangup] = []
         #: Calls whose dialog has a bug.
         self.crash: set[str] = set()
+        #: Dialled number -> the line the factory names for it.
+        self.lines: dict[str, str] = {}
 
     def for_call(self, call: Call) -> Any:
-        self.chosen.append(call.parameters.get("called", ""))
+        called = call.parameters.get("called", "")
+        self.chosen.append(called)
+        if called == "no-dialog":
+            raise RuntimeError("no dialog for this call")
+        call.line = self.lines.get(called, call.line)
         return self.run
 
     async def run(self, call: Call) -> None:
@@ -176,12 +183,12 @@ async def rig() -> AsyncIterator[tuple[VirtualClock, CallLifecycle, Dialogs, Met
 
 
 def _start(lifecycle: CallLifecycle, clock: VirtualClock, key: str = "k1",
-           inactivity_s: float = 0.0) -> tuple[Call, FakeTransport]:
+           inactivity_s: float = 0.0, called: str = "+15550002222") -> tuple[Call, FakeTransport]:
     transport = FakeTransport(clock)
     transport.lifecycle = lifecycle
     assert lifecycle.admit(key, "sip") is None
     call = lifecycle.start(key, transport, transport_name="sip", call_id=f"call-{key}",
-                           parameters={"caller": "100", "called": "+15550002222"},
+                           parameters={"caller": "100", "called": called},
                            inactivity_s=inactivity_s)
     transport.call = call
     return call, transport
@@ -193,13 +200,39 @@ async def test_start_runs_the_dialog_chosen_for_the_call_and_finish_frees_everyt
     await clock.advance(0)
     assert dialogs.chosen == ["+15550002222"]  # the factory saw the dialled number
     assert lifecycle.registry.get("call-k1") is call and lifecycle.admission.seats() == 1
-    assert metrics.registry.get_sample_value("gateway_calls_active", {"transport": "sip"}) == 1
+    assert metrics.registry.get_sample_value("gateway_calls_active",
+                                           {"transport": "sip", "line": "default"}) == 1
     await lifecycle.finish(call, "bye")
     assert [h.reason for h in dialogs.hangups] == ["bye"]
     assert "call-k1" not in lifecycle.registry and lifecycle.admission.seats() == 0
-    assert metrics.registry.get_sample_value("gateway_calls_active", {"transport": "sip"}) == 0
+    assert metrics.registry.get_sample_value("gateway_calls_active",
+                                           {"transport": "sip", "line": "default"}) == 0
     await lifecycle.finish(call, "bye")  # a second finish (BYE retransmitted) is harmless
     assert len(dialogs.hangups) == 1
+
+
+async def test_the_calls_line_named_by_the_dialog_factory_labels_its_metrics(rig) -> None:  # type: ignore[no-untyped-def]
+    """The factory chooses before the call is counted: calls_active/total carry its line from
+    the start and the same series goes down at the end."""
+    clock, lifecycle, dialogs, metrics = rig
+    dialogs.lines["2000"] = "billing"
+    call, _ = _start(lifecycle, clock, "b", called="2000")
+    await clock.advance(0)
+    billing = {"transport": "sip", "line": "billing"}
+    assert call.line == "billing"
+    assert metrics.registry.get_sample_value("gateway_calls_active", billing) == 1
+    assert metrics.registry.get_sample_value("gateway_calls_total", billing) == 1
+    assert metrics.registry.get_sample_value("gateway_calls_active",
+                                             {"transport": "sip", "line": "default"}) is None
+    await lifecycle.finish(call, "bye")
+    assert metrics.registry.get_sample_value("gateway_calls_active", billing) == 0
+
+
+async def test_a_factory_that_cannot_choose_a_dialog_leaves_no_seat_behind(rig) -> None:  # type: ignore[no-untyped-def]
+    clock, lifecycle, _, _ = rig
+    with pytest.raises(RuntimeError):
+        _start(lifecycle, clock, "x", called="no-dialog")
+    assert "call-x" not in lifecycle.registry and lifecycle.admission.seats() == 0
 
 
 async def test_a_finish_cancelled_midway_still_frees_the_seat_and_is_not_swallowed(rig) -> None:  # type: ignore[no-untyped-def]
@@ -260,6 +293,48 @@ async def test_the_drain_ends_as_soon_as_the_last_call_does(rig) -> None:  # typ
     assert drain.done() and transport.outcome is None
 
 
+async def test_an_unclaimed_reservation_does_not_hold_the_drain(rig) -> None:  # type: ignore[no-untyped-def]
+    """A fleet: this replica's webhook reserved a seat whose stream the balancer sent to
+    another replica. The drain used to wait for it to lapse (30 s) with no call left here."""
+    clock, lifecycle, _, metrics = rig
+    assert lifecycle.reserve("CA1", "twilio", 30.0) is None
+    assert metrics.registry.get_sample_value("gateway_seats", {"kind": "reservation"}) == 1
+    drain = asyncio.create_task(lifecycle.drain(110.0))
+    await clock.advance(0)
+    await clock.advance(0)
+    assert drain.done() and clock.now() == 0.0
+    # Should its stream come here after all, before the process is gone: it is taken.
+    assert lifecycle.admit("CA1", "twilio") is None
+    assert metrics.registry.get_sample_value("gateway_seats", {"kind": "call"}) == 1
+
+
+async def test_a_reserved_stream_arriving_while_calls_drain_is_taken_and_waited_for(rig) -> None:  # type: ignore[no-untyped-def]
+    clock, lifecycle, _, _ = rig
+    first, _ = _start(lifecycle, clock, "k1")
+    assert lifecycle.reserve("CA1", "twilio", 30.0) is None
+    drain = asyncio.create_task(lifecycle.drain(110.0))
+    await clock.advance(1)
+    late, _ = _start(lifecycle, clock, "CA1")  # claims the reservation made before the drain
+    await lifecycle.finish(first, "bye")
+    await clock.advance(5)
+    assert not drain.done()  # the claimed seat is a call: waited for
+    await lifecycle.finish(late, "bye")
+    await clock.advance(0)
+    assert drain.done() and clock.now() == 6.0
+
+
+def test_a_webhook_holding_no_seat_only_asks_whether_there_is_room() -> None:
+    """GATEWAY_TWILIO_RESERVATION_S=0 (a fleet): the webhook refuses when full, holds nothing."""
+    clock = VirtualClock()
+    metrics = Metrics()
+    admission = Admission(1, _ready(clock, metrics), clock, metrics)
+    assert admission.reserve("CA1", "twilio", 0.0) is None
+    assert admission.seats() == 0 and not admission.reservations()
+    assert admission.admit("sip-dialog-1", "sip") is None
+    assert admission.reserve("CA2", "twilio", 0.0) == "at_capacity"
+    assert _refused(metrics, "twilio", "at_capacity") == 1
+
+
 async def test_a_call_whose_media_stops_is_aborted_after_its_inactivity_timeout(rig) -> None:  # type: ignore[no-untyped-def]
     clock, lifecycle, _, metrics = rig
     call, transport = _start(lifecycle, clock, inactivity_s=60.0)
@@ -276,6 +351,184 @@ async def test_a_call_whose_media_stops_is_aborted_after_its_inactivity_timeout(
     assert transport.aborted == "inbound timeout" and call.timed_out
     assert metrics.registry.get_sample_value(
         "gateway_calls_inbound_timeouts_total", {"transport": "sip"}) == 1
+
+
+# --- the speech-detector feed ------------------------------------------------------------------
+
+
+class CountingDetector:
+    """Counts the frames it hears; "detects" speech on the ``fire_at``-th."""
+
+    def __init__(self, fire_at: int = 0) -> None:
+        self.heard = 0
+        self.resets = 0
+        self.fire_at = fire_at
+
+    def push(self, frame: bytes | bytearray | memoryview) -> bool:
+        self.heard += 1
+        return self.heard == self.fire_at
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+async def _feed(call: Call, clock: VirtualClock, frames: int) -> None:
+    for _ in range(frames):
+        call.inbound_audio(SILENCE)
+        await clock.advance(0.02)
+
+
+async def test_the_speech_detector_hears_the_caller_only_while_their_speech_can_matter() -> None:
+    """Not during a gather's wait for keys nor under a prompt that must play to its end (the
+    detector costs 0.1 ms a frame when its model runs); while an interruptible prompt plays,
+    and while the dialog asks for speech, every frame."""
+    clock = VirtualClock(start=10.0)
+    detector = CountingDetector(fire_at=15)
+    call = Call("call-vad", FakeTransport(clock), clock, transport_name="sip",
+                detector=detector)
+    call.start()
+    try:
+        pcm = np.zeros(8000, dtype=np.int16)  # 1 s
+        await _feed(call, clock, 25)  # nothing playing
+        assert detector.heard == 0 and not call.listening
+        firm = call.play(pcm, label="must be heard")  # not interruptible
+        await _feed(call, clock, 25)
+        assert detector.heard == 0 and not call.listening
+        await call.barge_in()
+        prompt = call.play(pcm, label="menu", interruptible=True)
+        assert call.listening
+        await _feed(call, clock, 20)
+        assert detector.heard == 20 and not firm.played.is_set()
+        started = [e for e in _drain(call) if isinstance(e, SpeechStarted)]
+        assert len(started) == 1
+        while not prompt.played.is_set():
+            await _feed(call, clock, 1)
+        heard = detector.heard
+        await _feed(call, clock, 25)  # played: waiting for keys
+        assert detector.heard == heard and not call.listening
+        call.wants_speech = True  # a dialog waiting for a spoken answer
+        await _feed(call, clock, 10)
+        assert detector.heard == heard + 10
+        # It had not heard the line for 0.5 s: it carried on. After a 3 s gap it starts afresh.
+        assert detector.resets == 0
+        call.wants_speech = False
+        await _feed(call, clock, 150)
+        call.wants_speech = True
+        await _feed(call, clock, 1)
+        assert detector.resets == 1
+    finally:
+        await call.close()
+
+
+def _drain(call: Call) -> list[object]:
+    events = []
+    while not call.events.empty():
+        events.append(call.events.get_nowait())
+    return events
+
+
+# --- what a call holds, however long it lasts ----------------------------------------------------
+
+
+class _Chunks:
+    """A speech stream of ``chunks`` chunks of 80 ms (24 kHz float)."""
+
+    def __init__(self, chunks: int) -> None:
+        self.chunks = chunks
+
+    def __aiter__(self) -> Any:
+        return self._gen()
+
+    async def _gen(self) -> Any:
+        tone = (0.3 * np.sin(np.arange(1920) / 7.0)).astype(np.float32)
+        for _ in range(self.chunks):
+            yield tone
+            await asyncio.sleep(0)
+
+    def cancel(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_long_call_keeps_its_latest_utterances_and_lets_finished_ones_go() -> None:
+    """A hundred sentences, each captured for the cache: the call used to keep every one, with
+    its speech stream and its audio, until it ended."""
+    from gateway.call.session import MAX_UTTERANCES
+
+    clock = VirtualClock(start=10.0)
+    call = Call("call-long", FakeTransport(clock), clock, transport_name="sip")
+    call.start()
+    try:
+        for i in range(100):
+            utterance = call.speak(f"sentence {i}", lambda u: _Chunks(2), capture=True)
+            while not utterance.played.is_set():
+                await clock.advance(0.02)
+            assert utterance.captured_pcm() is not None  # what the IVR caches, until the next
+        assert call.utterance_count == 100 and len(call.utterances) == MAX_UTTERANCES
+        assert [u.seq for u in call.utterances] == list(range(100 - MAX_UTTERANCES + 1, 101))
+        assert call.utterances[-1].text == "sentence 99"
+        finished = call.utterances[:-1]
+        assert all(u.stream is None and u.capture is None and u.task is None for u in finished)
+        assert all(u.played.is_set() and u.first_frame_at is not None for u in finished)
+    finally:
+        await call.close()
+    assert call.utterances[-1].stream is None and call.utterances[-1].capture is None
+
+
+async def test_unread_events_are_bounded_and_a_hang_up_always_gets_through() -> None:
+    """A dialog that does not read (it waits on a slow webhook) while the caller presses keys:
+    the queue used to grow without end. Keys past the bound are dropped and counted; a hang-up
+    takes the oldest event's place."""
+    from gateway.call.session import MAX_EVENTS
+
+    clock = VirtualClock(start=10.0)
+    metrics = Metrics()
+    call = Call("call-keys", FakeTransport(clock), clock, transport_name="sip", metrics=metrics)
+    for _ in range(MAX_EVENTS + 500):
+        call.dtmf("5")
+    assert call.events.qsize() == MAX_EVENTS and call.events_dropped == 500
+    assert metrics.registry.get_sample_value(
+        "gateway_call_events_dropped_total", {"transport": "sip"}) == 500
+    call.deliver(Hangup("bye", at=clock.now()))
+    events = _drain(call)
+    assert len(events) == MAX_EVENTS and isinstance(events[-1], Hangup)
+    assert call.events_dropped == 501
+
+
+async def test_a_cached_prompt_is_encoded_once_however_often_it_is_played(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Encoding a prompt cost 0.1 ms per second of audio on every play (the largest cost of a
+    cached-prompt turn); the frames of a prompt are now encoded once per codec."""
+    import gateway.call.session as session
+
+    encoded: list[int] = []
+    real = session.ulaw_encode
+
+    def counting(pcm: np.ndarray) -> bytes:
+        encoded.append(len(pcm))
+        return real(pcm)
+
+    monkeypatch.setattr(session, "ulaw_encode", counting)
+    clock = VirtualClock(start=10.0)
+    call = Call("call-menu", FakeTransport(clock), clock, transport_name="sip")
+    call.start()
+    try:
+        menu = (3000 * np.sin(np.arange(8000) / 5.0)).astype(np.int16)
+        for _ in range(5):
+            prompt = call.play(menu, label="menu")
+            await clock.advance(0.1)
+            await call.barge_in()
+            assert prompt.interrupted
+        assert encoded == [8000]
+        other = menu.copy()  # equal audio, another array: encoded for itself
+        call.play(other, label="other")
+        await clock.advance(0.02)
+        assert encoded == [8000, 8000]
+    finally:
+        await call.close()
 
 
 # --- the RTP playout --------------------------------------------------------------------------
@@ -344,11 +597,24 @@ async def test_a_stalled_stream_re_anchors_instead_of_bursting(rtp) -> None:  # 
 async def test_push_waits_while_the_buffer_is_full(rtp) -> None:  # type: ignore[no-untyped-def]
     clock, _, playout, _ = rtp
     playout.begin(_Owner())
-    pushing = asyncio.create_task(playout.push(_frames(150)))
+    frames = _frames(150)
+    pushing = asyncio.create_task(playout.push(frames))
     await clock.advance(0)
-    assert not pushing.done() and playout.buffered == 150
-    await clock.advance(1.0)  # 50 frames out: room for the producer again
-    assert pushing.done() and playout.buffered <= RTP_PLAYOUT.buffer_frames
+    # Never more than the bound is queued: a whole prompt goes in as it plays.
+    bound = RTP_PLAYOUT.buffer_frames
+    assert not pushing.done() and playout.buffered == bound
+    most = bound
+    while not pushing.done():
+        await clock.advance(0.02)
+        most = max(most, playout.buffered)
+    assert most == bound and playout.buffered <= bound
+    await clock.advance(bound * 0.02 + 0.1)
+    sent = [f for _, f in _sink_frames(playout)]
+    assert [f for f in sent if f != SILENCE] == frames  # all of it, in order
+
+
+def _sink_frames(playout: Playout) -> list[tuple[float, bytes]]:
+    return playout._sink.frames  # type: ignore[attr-defined,no-any-return]
 
 
 async def test_nothing_is_sent_on_hold(rtp) -> None:  # type: ignore[no-untyped-def]

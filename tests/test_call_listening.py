@@ -118,6 +118,7 @@ async def test_nothing_is_heard_before_or_after_listening_and_barge_in_still_wor
     clock = VirtualClock()
     call = Call("CA2", _Transport(), clock, transport_name="sip",
                 detector=SpeechStartDetector())
+    call.wants_speech = True  # as while an interruptible prompt plays: the detector hears
     listener = _Listener()
     quarter = len(audio) // FRAME // 4 * FRAME
     await _play(call, clock, audio[:quarter])
@@ -137,6 +138,7 @@ async def test_listening_that_starts_while_the_caller_speaks_starts_their_turn_a
     clock = VirtualClock()
     detector = SpeechStartDetector()
     call = Call("CA3", _Transport(), clock, transport_name="twilio", detector=detector)
+    call.wants_speech = True  # talking over an interruptible prompt: the detector hears them
     listener = _Listener()
     attached: list[float] = []
 
@@ -198,3 +200,31 @@ async def test_speech_a_listener_heard_is_not_heard_again_by_the_next(
         round(switched[0] / 0.02) * FRAME)
     await call.close()
 
+
+
+async def test_a_turn_the_detector_stopped_hearing_long_ago_is_not_started_again(
+    caller: tuple[bytes, float],
+) -> None:
+    """The detector heard the caller start speaking over an interruptible prompt, then stopped
+    hearing them (nothing interruptible plays). A gather listening seconds later must not take
+    that stale turn for one in progress; the next speech it hears is the caller's turn."""
+    audio, _ = caller
+    clock = VirtualClock()
+    detector = SpeechStartDetector()
+    call = Call("CA5", _Transport(), clock, transport_name="twilio", detector=detector)
+    call.wants_speech = True
+    half = len(audio) // FRAME // 2 * FRAME
+    await _play(call, clock, audio[:half])
+    assert detector.speaking  # mid-phrase when the prompt ends
+    call.wants_speech = False
+    await clock.advance(2.0)
+    listener = _Listener()
+    call.listen(listener)
+    listening_at = clock.now()
+    assert listener.log == [] and listener.bytes == 0
+    await _play(call, clock, audio)
+    kinds = [kind for kind, _ in listener.log]
+    assert kinds[0] == "started" and kinds[-1] == "paused"
+    # The turn it heard is the new phrase's (after its lead-in silence), not the stale one.
+    assert listener.log[0][1] > listening_at + LEAD_S
+    await call.close()

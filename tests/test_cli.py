@@ -107,6 +107,41 @@ def test_serve_with_the_sip_port_taken_stops_with_one_line_and_loads_nothing(
     assert took < 5, f"{took:.1f} s: something was loaded first"
 
 
+def test_serve_with_the_http_port_taken_stops_with_one_line_and_loads_nothing(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """uvicorn used to bind the port only after the app's lifespan had started loading the
+    model: its own ``[Errno 98] error while attempting to bind`` line, then a process that
+    waited for the load thread to finish before it could exit."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()  # another server on the port
+        port = taken.getsockname()[1]
+        threads = set(threading.enumerate())
+        tasks = set(asyncio.all_tasks()) if _loop_running() else set()
+        t0 = time.monotonic()
+        code = main(["serve", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                     "--model", str(tiny_model_dir), "--sip", "127.0.0.1:0"])
+        took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 1
+    errors = [line for line in err.splitlines() if "--insecure" not in line]
+    assert errors == [f"error: cannot bind the HTTP server to tcp 127.0.0.1:{port} "
+                      "(GATEWAY_HOST/GATEWAY_PORT): Address already in use"], err
+    assert set(threading.enumerate()) <= threads  # no model-loading thread left behind
+    if tasks:
+        assert set(asyncio.all_tasks()) <= tasks
+    assert took < 5, f"{took:.1f} s: something was loaded first"
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 async def test_a_sip_bind_failure_in_the_lifespan_starts_no_model_load() -> None:
     from gateway.app import create_app
     from gateway.config import Settings

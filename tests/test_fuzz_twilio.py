@@ -37,6 +37,7 @@ from gateway.errors import (
     UnsupportedData,
 )
 from gateway.twilio.protocol import (
+    _INBOUND,
     Connected,
     Dtmf,
     Mark,
@@ -270,9 +271,14 @@ def _snapshot(protocol: MediaStreamProtocol) -> tuple[StreamState, str | None, s
 def check_one(protocol: MediaStreamProtocol, message: str | bytes, tally: Tally) -> None:
     """Feed one message; record the outcome and any broken promise."""
     before = _snapshot(protocol)
+    # The per-frame fast path must only ever accept what the full (pydantic) path accepts.
+    fast = (protocol._media(message)
+            if isinstance(message, str) and protocol.state is StreamState.STREAMING else None)
     try:
         event = protocol.receive(message)
     except CallProtocolError as exc:
+        if fast is not None:
+            tally.broken_invariants.append(f"fast path took a rejected message: {exc.reason}")
         kind = type(exc)
         tally.rejected[kind.__name__] += 1
         tally.reasons[exc.reason.split(":")[0][:40]] += 1
@@ -312,9 +318,12 @@ def check_one(protocol: MediaStreamProtocol, message: str | bytes, tally: Tally)
             problem = f"{event.event} for stream {event.streamSid[:40]!r} accepted on {sid!r}"
         elif isinstance(event, Media) and (
             not isinstance(event.audio, bytes)
-            or base64.b64decode(event.media.payload, validate=True) != event.audio
+            or base64.b64decode(_INBOUND.validate_json(message).media.payload,  # type: ignore[union-attr]
+                                validate=True) != event.audio
         ):
             problem = "media audio is not the decode of its payload"
+        elif isinstance(event, Media) and event != protocol._parse(message):  # type: ignore[arg-type]
+            problem = "the fast path read a media message otherwise than the full path"
         elif isinstance(event, Dtmf) and event.dtmf.digit not in "0123456789*#ABCD":
             problem = f"dtmf digit {event.dtmf.digit!r} accepted"
         elif isinstance(event, Dtmf) and len(event.dtmf.digit) != 1:

@@ -457,3 +457,19 @@ async def test_a_media_stream_outlives_the_header_deadline(live: LiveServer) -> 
         await call.send_stop()
         await call.wait_for(lambda: call.closed.is_set(), timeout=10)
     assert call.close_code == 1000
+
+
+async def test_a_media_stream_is_never_compressed_whatever_the_client_offers(
+    live: LiveServer,
+) -> None:
+    """A client offering permessage-deflate (the websockets library does by default) used to get
+    it: zlib state held per stream and a deflate or inflate on every 20 ms message."""
+    import websockets
+
+    signature = RequestValidator(AUTH_TOKEN).compute_signature(live.ws_url, {})
+    async with websockets.connect(live.ws_url, compression="deflate",
+                                  additional_headers={"X-Twilio-Signature": signature}) as ws:
+        assert ws.request is not None and "permessage-deflate" in (
+            ws.request.headers.get("Sec-WebSocket-Extensions") or "")
+        assert ws.response is not None
+        assert ws.response.headers.get("Sec-WebSocket-Extensions") is None

@@ -44,13 +44,14 @@ HEAD = "name: t\nvoice: {speaker: ryan, language: English}\n"
 
 
 def _diagnostics(text: str) -> tuple[list[str], float]:
-    """Validation messages for ``text`` and how long validation took."""
-    t0 = time.perf_counter()
+    """Validation messages for ``text`` and the CPU seconds validation took (this thread's: on
+    a shared machine the wall clock also counts other processes' turns on the cores)."""
+    t0 = time.thread_time()
     try:
         parse_script(text, "t.yaml")
     except ScriptError as exc:
-        return [d.message for d in exc.diagnostics], time.perf_counter() - t0
-    return [], time.perf_counter() - t0
+        return [d.message for d in exc.diagnostics], time.thread_time() - t0
+    return [], time.thread_time() - t0
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -84,7 +85,7 @@ def test_template_tricks_in_a_sentence_are_refused_at_validation(
 def test_a_one_megabyte_sentence_is_refused_quickly() -> None:
     messages, took = _diagnostics(HEAD + "start: a\nnodes:\n  a:\n    say: \"" + "Hi. " * 250_000
                                   + "\"\n    hangup: true\n")
-    print(f"\n1 MB sentence: refused in {1000 * took:.0f} ms")
+    print(f"\n1 MB sentence: refused in {1000 * took:.0f} ms of CPU")
     assert any("too long for one utterance" in m for m in messages) and took < 5
 
 

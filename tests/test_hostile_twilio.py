@@ -164,6 +164,42 @@ async def test_a_bad_stream_is_closed_alone_with_its_code_and_a_logged_reason(
         await healthy.send_stop()
 
 
+async def test_a_flood_from_one_stream_is_dropped_and_counted_and_a_normal_one_never_is(
+    ivr_live: LiveServer,
+) -> None:
+    """A stream sends 50 media messages a second: none is dropped. Another sends 3,000 at once
+    (half of them in Twilio's compact form, dropped unread, half reformatted, read and then
+    dropped): all but the cap's burst and rate are dropped and counted instead of being fed to
+    its call, and that stream stays open."""
+    from gateway.call.inbound import BURST, MAX_RATE
+
+    def dropped() -> float:
+        return ivr_live.gateway.metrics.registry.get_sample_value(
+            "gateway_inbound_media_dropped_total", {"transport": "twilio"}) or 0.0
+
+    before = dropped()
+    async with _call(ivr_live) as healthy:
+        await healthy.start()
+        await healthy.wait_for(lambda: healthy.media_sent >= 150, timeout=30)  # 3 s at 50/s
+        assert dropped() == before
+        async with _call(ivr_live) as flooder:
+            await flooder.start(stream_media=False)
+            compact = json.dumps(json.loads(_media(flooder.stream_sid)), separators=(",", ":"))
+            spaced = _media(flooder.stream_sid)
+            assert compact.startswith('{"event":"media"') and not spaced.startswith(compact[:16])
+            t0 = time.monotonic()
+            for i in range(3000):
+                await flooder.send_raw(compact if i % 2 else spaced)
+            await flooder.wait_for(
+                lambda: dropped() - before >= 3000 - BURST - MAX_RATE * (time.monotonic() - t0),
+                timeout=20)
+            print(f"\nflood of 3,000 media messages: {dropped() - before:.0f} dropped "
+                  f"{time.monotonic() - t0:.2f} s after the first")
+            assert not flooder.closed.is_set()
+        assert not healthy.closed.is_set()
+        await healthy.send_stop()
+
+
 # --- the transport under a socket closed by the server --------------------------------------
 
 
@@ -349,10 +385,11 @@ async def test_a_healthy_call_keeps_its_audio_while_hostile_streams_run(
         # shared 2-core box a frame may land a few ms late now and then (the baseline window
         # shows the same); before sessions yielded between queued messages, the 5,000-message
         # flood held the loop for ~0.7 s and the healthy caller lost that much audio.
-        # The underrun bound is relative to the same call's baseline window, measured moments
-        # before on the same machine: the attack adds less than 100 ms of silence to what the
-        # machine's own load already costs (a busy CI box underran ~100 ms with no attack).
-        assert during["max_gap_ms"] < 200, during
+        # Both bounds are relative to the same call's baseline window, measured moments before
+        # on the same machine: the attack adds less than 200 ms to the longest gap and 100 ms
+        # of silence to what the machine's own load already costs (a busy box underran ~100 ms
+        # and gapped 229 ms with other jobs running).
+        assert during["max_gap_ms"] < 200 + before["max_gap_ms"], (before, during)
         assert during["worst_underrun_ms"] < 100 + before["worst_underrun_ms"], (before, during)
         assert not healthy.closed.is_set()
         await healthy.send_stop()

@@ -26,6 +26,16 @@ def test_the_demo_cases_pass(capsys: pytest.CaptureFixture[str]) -> None:
     assert "demo.cases.yaml:26:5: PASS an overdue account goes to collections" in out
 
 
+def test_the_outage_lines_cases_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    """The second line of prompts/lines.yaml has its own cases."""
+    prompts = ROOT / "prompts"
+    assert main(["prompts", "test", str(prompts / "outages.yaml"),
+                 str(prompts / "outages.cases.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "2 passed, 0 failed" in out
+    assert "PASS a gas leak goes to the emergency team" in out
+
+
 def _cases(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "t.cases.yaml"
     path.write_text(text)

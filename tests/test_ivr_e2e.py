@@ -161,12 +161,15 @@ async def test_a_cached_prompt_starts_within_5_ms_of_the_callers_turn(
         server_latency = []
         client_latency = []
         for _ in range(turns):
-            n = len(_utterances(live, call))
+            # The call keeps its latest utterances only: find them by their number in the call.
+            previous = _utterances(live, call)[-1]
+            n = previous.seq
             clears_before = len(call.events("clear"))
             pressed = await call.send_dtmf("9")
             utterance = await call.wait_for(
                 lambda n=n: next(
-                    (u for u in _utterances(live, call)[n:] if u.first_frame_at is not None), None
+                    (u for u in _utterances(live, call)
+                     if u.seq > n and u.first_frame_at is not None), None
                 ),
                 timeout=10,
             )
@@ -175,7 +178,6 @@ async def test_a_cached_prompt_starts_within_5_ms_of_the_callers_turn(
             # The new prompt's first frame: when the press interrupted the previous prompt, the
             # first media after the clear (frames of the old prompt may still be in flight);
             # otherwise the first media after the press.
-            previous = _utterances(live, call)[n - 1]
             start = pressed
             if previous.interrupted:
                 clear = await call.wait_for(

@@ -35,7 +35,7 @@ from gateway.ivr.prompts import ResolvedVoice, audio_identity, render_missing, r
 from gateway.ivr.runner import IvrRunner, RunnerContext
 from gateway.ivr.script import Script, load_script, parse_script
 from gateway.speech import Speaker, Voice
-from gateway.tts.engine import Engine
+from gateway.tts.engine import Engine, SpeechRequest
 from gateway.tts.qwen import QwenEngine
 from gateway.tts.service import SpeechService
 
@@ -403,7 +403,7 @@ async def test_a_cache_miss_is_rendered_live_then_stored(
 
 
 async def test_a_sentence_rendered_live_for_the_cache_had_the_seed_its_key_names(
-    speech: SpeechService, engine: Engine
+    speech: SpeechService, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The key of a live-rendered miss used to say seed 0 (the script's) for audio generated
     with no seed at all: a key must identify its audio."""
@@ -414,15 +414,25 @@ async def test_a_sentence_rendered_live_for_the_cache_had_the_seed_its_key_names
         "  c: {say: 'Bye {caller}.', hangup: true}\n"
     )
     h = Harness(script, speech, engine)
+    # The requests each utterance was generated from (a finished utterance lets go of its
+    # stream once the next one starts).
+    requests: dict[str, SpeechRequest] = {}
+    stream = speech.stream
+
+    def recording(request: SpeechRequest, **kwargs: Any) -> Any:
+        requests[request.tags["utterance"]] = request
+        return stream(request, **kwargs)
+
+    monkeypatch.setattr(speech, "stream", recording)
     await h.start(prerender=False)
     await h.finished()
     hello, hi, bye = h.call.utterances
     for utterance in (hello, hi):
         key = h.context.key(utterance.text)
         assert key.seed == 7 and h.cache.peek(key) is not None
-        assert utterance.stream.request.seed == key.seed  # type: ignore[union-attr]
+        assert requests[utterance.id].seed == key.seed
     # Live speech that is never cached keeps the call's voice (unseeded here).
-    assert bye.stream.request.seed is None  # type: ignore[union-attr]
+    assert requests[bye.id].seed is None
     assert h.cache.peek(h.context.key(bye.text)) is None
 
 
@@ -678,7 +688,6 @@ async def test_a_node_changes_the_calls_language_or_voice_and_the_cache_keys_fol
     speech: SpeechService, engine: Engine, monkeypatch: pytest.MonkeyPatch,
     key: str, language: str, speaker: str, bye: str,
 ) -> None:
-    from gateway.tts.engine import SpeechRequest
 
     requests: list[SpeechRequest] = []
     original = Speaker.request
@@ -788,6 +797,36 @@ async def test_a_trace_records_failed_webhooks_transfers_and_private_keys(
     assert [(w["node"], w["result"]) for w in trace["webhooks"]] == [("check", "http 503")]
     assert trace["outcome"] == "transfer" and trace["target"] == "+15555550100"
     assert trace["path"] == ["pin", "check", "agent"]
+
+
+async def test_a_caller_pressing_keys_without_end_gets_a_bounded_answer_and_trace(
+    speech: SpeechService, engine: Engine, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """300 keys during a notice that plays to its end, then 40 into a gather that waits for a
+    '#' that never comes: the answer ends at 32 digits (the longest a gather may ask for), and
+    the trace keeps its first 256 keys and counts the rest. Both grew with every key."""
+    from gateway.ivr.runner import MAX_ANSWER_DIGITS
+    from gateway.ivr.trace import MAX_KEYS
+
+    caplog.set_level("INFO", logger="gateway.ivr.runner")
+    script = parse_script(
+        "name: t\nvoice: {speaker: ryan}\nstart: a\nnodes:\n"
+        "  a: {say: 'Please listen to this notice.', barge_in: false, next: b}\n"
+        "  b:\n    gather: {terminator: '#', store: n, branch: {default: c}, fallback: c}\n"
+        "  c: {hangup: true}\n"
+    )
+    h = Harness(script, speech, engine)
+    await h.start(prerender=False)
+    await h.first_frame()
+    await h.press("1" * 300)
+    await h.waiting_for_input()
+    await h.press("2" * 40)
+    await h.finished()
+    assert h.runner.variables["n"] == "2" * MAX_ANSWER_DIGITS
+    assert h.runner.path == ["a", "b", "c"]
+    (trace,) = _trace_records(caplog)
+    assert len(trace["keys"]) == MAX_KEYS
+    assert trace["keys_dropped"] == 300 + MAX_ANSWER_DIGITS - MAX_KEYS
 
 
 async def test_a_caller_hanging_up_is_in_the_trace(

@@ -1,7 +1,7 @@
 """Reservations and the drain end to end, on virtual time: the real app over a real socket.
 
 The gateway (the greeter, tiny model) and its test Twilio share one virtual-time loop, so a
-voice webhook's 30 s reservation lapsing and the default 110 s drain grace run in no real time
+voice webhook's 5 s reservation lapsing and the default 110 s drain grace run in no real time
 (test_drain.py sends a real SIGTERM to a real process; test_call_lifecycle.py checks the same
 rules on the lifecycle alone).
 """
@@ -43,20 +43,21 @@ def _call(live: VirtualServer, n: int) -> FakeTwilioCall:
 
 
 @on_virtual_time("small")
-async def test_webhook_reservations_whose_streams_never_come_lapse_after_30_s(
+async def test_webhook_reservations_whose_streams_never_come_lapse_after_5_s(
     small: VirtualServer,
 ) -> None:
     admission = small.gateway.admission
+    assert small.gateway.twilio.reservation_s == 5  # the default GATEWAY_TWILIO_RESERVATION_S
     assert (await _voice(small, "CA" + "7" * 32)).find("Connect") is not None
     assert (await _voice(small, "CA" + "8" * 32)).find("Connect") is not None
     busy = await _voice(small, "CA" + "9" * 32)
     assert [child.tag for child in busy] == ["Say", "Hangup"]
     t0 = asyncio.get_running_loop().time()
-    await asyncio.sleep(29)
+    await asyncio.sleep(4.5)
     assert admission.refusal() == "at_capacity"
-    await asyncio.sleep(1.5)
+    await asyncio.sleep(1)
     assert admission.refusal() is None and not admission.reservations()
-    assert asyncio.get_running_loop().time() - t0 >= 30  # virtual seconds, no real ones
+    assert asyncio.get_running_loop().time() - t0 >= 5  # virtual seconds, no real ones
 
 
 @on_virtual_time("small")

@@ -89,3 +89,59 @@ def test_good_sip_settings_are_read_parsed(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delenv("GATEWAY_SIP_USERS")
     assert Settings().sip_bind is None and Settings().sip_user_table is None
     assert Settings(sip="").sip is None
+
+
+# --- live-call updates (GATEWAY_TWILIO_ACCOUNT_SID and its credentials) ------------------------
+
+SID = "AC" + "0123456789abcdef" * 2
+KEY = "SK" + "fedcba9876543210" * 2
+
+TWILIO_BAD = [
+    ({"GATEWAY_TWILIO_ACCOUNT_SID": "AC123", "GATEWAY_TWILIO_AUTH_TOKEN": "t0ken"},
+     "GATEWAY_TWILIO_ACCOUNT_SID must be AC followed by 32 hex digits"),
+    ({"GATEWAY_TWILIO_ACCOUNT_SID": SID},  # nothing to authenticate the updates with
+     "GATEWAY_TWILIO_ACCOUNT_SID is set but there is nothing to authenticate with"),
+    ({"GATEWAY_TWILIO_ACCOUNT_SID": SID, "GATEWAY_TWILIO_API_KEY_SID": KEY},
+     "GATEWAY_TWILIO_API_KEY_SID and GATEWAY_TWILIO_API_KEY_SECRET go together"),
+    ({"GATEWAY_TWILIO_API_KEY_SID": KEY, "GATEWAY_TWILIO_API_KEY_SECRET": "s3cret"},
+     "GATEWAY_TWILIO_API_KEY_SID is set without GATEWAY_TWILIO_ACCOUNT_SID"),
+    ({"GATEWAY_TWILIO_ACCOUNT_SID": SID, "GATEWAY_TWILIO_API_KEY_SID": "AC" + "0" * 32,
+      "GATEWAY_TWILIO_API_KEY_SECRET": "s3cret"},
+     "GATEWAY_TWILIO_API_KEY_SID must be SK followed by 32 hex digits"),
+    ({"GATEWAY_TWILIO_API_BASE": "api.twilio.com"},
+     "GATEWAY_TWILIO_API_BASE must look like https://api.twilio.com"),
+    ({"GATEWAY_TWILIO_RESERVATION_S": "-1"}, "GATEWAY_TWILIO_RESERVATION_S"),
+]
+
+
+@pytest.mark.parametrize(("environment", "words"), TWILIO_BAD)
+def test_bad_live_call_update_settings_are_refused_by_name(
+        monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], words: str) -> None:
+    for name in ("GATEWAY_TWILIO_AUTH_TOKEN", "GATEWAY_TWILIO_ACCOUNT_SID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    message = settings_error(info.value)
+    assert message.startswith(words), message
+    assert "s3cret" not in message and "s3cret" not in str(info.value)
+
+
+def test_live_call_updates_use_the_api_key_else_the_auth_token(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.clock import SystemClock
+    from gateway.twilio.rest import CallUpdater
+
+    monkeypatch.delenv("GATEWAY_TWILIO_ACCOUNT_SID", raising=False)
+    assert CallUpdater.from_settings(Settings(twilio_auth_token="t0ken"), SystemClock()) is None
+    by_token = CallUpdater.from_settings(
+        Settings(twilio_account_sid=SID, twilio_auth_token="t0ken",
+                 twilio_api_base="http://127.0.0.1:9/"), SystemClock())
+    assert by_token is not None and by_token.api_base == "http://127.0.0.1:9"
+    assert (by_token._username, by_token._password) == (SID, "t0ken")
+    by_key = CallUpdater.from_settings(
+        Settings(twilio_account_sid=SID, twilio_auth_token="t0ken", twilio_api_key_sid=KEY,
+                 twilio_api_key_secret="s3cret"), SystemClock())
+    assert by_key is not None and by_key.api_base == "https://api.twilio.com"
+    assert (by_key._username, by_key._password, by_key.account_sid) == (KEY, "s3cret", SID)

@@ -5,7 +5,7 @@ UDP), Kamailio running the shipped configuration unchanged (only its ``#!define`
 overridden with ``-A``: loopback ports, a 1 s probing interval, a dispatcher list in a tmp dir),
 and SIPp callers. Which gateway answered each call is read two ways: the proxy's own log line
 (``call <Call-ID> answered by <ip:port>``, the Call-ID chosen per phase with SIPp ``-cid_str``)
-and each gateway's ``gateway_calls_total{transport="sip"}``.
+and each gateway's ``gateway_calls_total{transport="sip"}`` (summed over lines).
 
 The drain follows a rolling deploy: a long call is up on gateway A, A gets SIGTERM, its OPTIONS
 turn 503, the proxy takes it out of rotation, new calls all land on B, the long call still ends
@@ -150,8 +150,9 @@ class Kamailio:
 
 def _calls_total(gateway: GatewayProcess) -> float:
     text = httpx.get(f"{gateway.base_url}/metrics", timeout=5).text
-    match = re.search(r'^gateway_calls_total\{transport="sip"\} (\S+)$', text, re.M)
-    return float(match.group(1)) if match else 0.0
+    # Summed over the line label (these gateways run the greeter: one line, "default").
+    found = re.findall(r'^gateway_calls_total\{[^}]*transport="sip"[^}]*\} (\S+)$', text, re.M)
+    return sum(float(value) for value in found)
 
 
 def _calls(proxy: Kamailio, workdir: Path, cid: str, calls: int, hold_ms: int,

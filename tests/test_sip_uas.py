@@ -41,15 +41,17 @@ def invite(
     codecs: str = "0 101",
     extra: str = "",
     body: str | None = None,
+    uri: str = "sip:ivr@127.0.0.1:5080",
+    to_uri: str = "sip:ivr@127.0.0.1:5080",
 ) -> bytes:
     sdp = (
         body
         if body is not None
         else OFFER.format(direction=direction).replace("RTP/AVP 0 101", f"RTP/AVP {codecs}")
     )
-    to = "<sip:ivr@127.0.0.1:5080>" + (f";tag={to_tag}" if to_tag else "")
+    to = f"<{to_uri}>" + (f";tag={to_tag}" if to_tag else "")
     return (
-        f"INVITE sip:ivr@127.0.0.1:5080 SIP/2.0\r\n"
+        f"INVITE {uri} SIP/2.0\r\n"
         f"Via: SIP/2.0/UDP 127.0.0.1:5062;branch={branch};rport\r\n"
         f"Max-Forwards: 70\r\nFrom: <sip:tester@127.0.0.1>;tag=caller-tag\r\nTo: {to}\r\n"
         f"Call-ID: {call_id}\r\nCSeq: {cseq} INVITE\r\n"
@@ -99,6 +101,20 @@ def answered(uas: UasCore, now: float = 0.0, **kwargs: object) -> tuple[str, str
     ok = sent(effects)[0]
     assert isinstance(ok, SipResponse) and ok.status == 200
     return incoming.key, ok.to_tag or "", effects
+
+
+@pytest.mark.parametrize(("uri", "to_uri", "called"), [
+    # A proxy retargeted the call: the Request-URI says whom it is for now (RFC 3261 16.5).
+    ("sip:2000@127.0.0.1:5080", "sip:+15550002222@carrier.example", "2000"),
+    ("sip:+15550003333@127.0.0.1:5080;user=phone", "sip:ivr@127.0.0.1", "+15550003333"),
+    # No user in the Request-URI (an INVITE to the host alone): the To user.
+    ("sip:127.0.0.1:5080", "sip:+15550002222@127.0.0.1", "+15550002222"),
+])
+def test_the_called_user_is_the_request_uris_else_the_tos(uri: str, to_uri: str,
+                                                           called: str) -> None:
+    effects = core().receive(invite(uri=uri, to_uri=to_uri), PEER, 0.0)  # type: ignore[arg-type]
+    incoming = next(e for e in effects if isinstance(e, IncomingCall))
+    assert incoming.called == called
 
 
 def test_invite_trying_then_ok_with_an_sdp_answer_then_ack() -> None:

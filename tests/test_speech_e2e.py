@@ -172,13 +172,17 @@ def broken_recognizer(ivr: VirtualServer) -> Iterator[Any]:
 @contextlib.contextmanager
 def _recognizer(live: VirtualServer, pool: Any) -> Iterator[None]:
     """The demo's recogniser swapped for ``pool`` for the block."""
-    context = live.gateway.ivr
-    assert context is not None
-    original, context.recognizer = context.recognizer, pool
+    switchboard = live.gateway.switchboard
+    assert switchboard is not None
+    contexts = list(switchboard.version.contexts.values())
+    originals = [context.recognizer for context in contexts]
+    for context in contexts:
+        context.recognizer = pool
     try:
         yield
     finally:
-        context.recognizer = original
+        for context, original in zip(contexts, originals, strict=True):
+            context.recognizer = original
 
 
 SCENARIOS["a recogniser failure falls back to keys with a logged reason"] = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import subprocess
 import sys
@@ -66,6 +67,17 @@ def test_same_seed_same_audio_different_seed_different_audio(
     monkeypatch.setattr(tiny_engine, "adaptive_chunks", False)
     (d, _), _, (e, _) = render(7), render(3), render(7)
     assert np.array_equal(d, e)
+
+
+def test_a_production_slot_keeps_no_codes_of_its_last_utterance(
+    tiny_engine: QwenEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Code tensors are recorded only when asked (tests, debugging): an idle production slot
+    must not hold its last utterance's codes until its next one."""
+    monkeypatch.setattr(tiny_engine, "record_codes", False)
+    chunks = list(tiny_engine.stream(SpeechRequest(text="Press two.", seed=5, max_frames=6)))
+    assert chunks and tiny_engine.last_codes == []
+    assert inspect.signature(QwenEngine).parameters["record_codes"].default is False
 
 
 def test_closing_the_stream_stops_generation_and_the_engine_stays_usable(

@@ -25,7 +25,8 @@ def shared_model(tiny_model_dir: Path) -> QwenModel:
 
 @pytest.fixture(scope="module")
 def two_slots(shared_model: QwenModel) -> list[QwenEngine]:
-    slots = [QwenEngine(shared_model, trim_leading_silence=False) for _ in range(2)]
+    slots = [QwenEngine(shared_model, trim_leading_silence=False, record_codes=True)
+             for _ in range(2)]
     for slot in slots:
         slot.warmup()
     return slots

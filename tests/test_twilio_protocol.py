@@ -77,6 +77,46 @@ def test_golden_inbound_sequence_parses_into_typed_events() -> None:
     assert protocol.state is StreamState.STOPPED
 
 
+def test_a_well_formed_media_message_is_read_without_pydantic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The per-frame path: the golden media message, and ours in the other key order the load
+    simulator sends, are read by the stdlib parser. Anything unusual still goes through the full
+    validation: an extra field is accepted there, a bad payload rejected with its reason."""
+    import gateway.twilio.protocol as module
+
+    protocol = started()
+    full = module._INBOUND
+    calls: list[str] = []
+
+    class Counting:
+        def validate_json(self, data: str) -> object:
+            calls.append(data)
+            return full.validate_json(data)
+
+    monkeypatch.setattr(module, "_INBOUND", Counting())
+    golden_media = golden("media")
+    payload = json.loads(golden_media)["media"]["payload"]
+    reordered = json.dumps({"event": "media", "streamSid": SID, "media": {
+        "track": "inbound", "chunk": "2", "timestamp": "25", "payload": payload},
+        "sequenceNumber": "4"}, separators=(",", ":"))
+    for text in (golden_media, reordered):
+        media = protocol.receive(text)
+        assert isinstance(media, Media) and media.audio == base64.b64decode(payload)
+        assert media.streamSid == SID and media.track == "inbound"
+    assert calls == []
+    extra = json.dumps({**json.loads(reordered), "futureField": {"x": 1}})
+    assert protocol.receive(extra) == protocol.receive(reordered)
+    assert calls == [extra]
+    broken = reordered.replace(payload[:8], "!!!!!!!!")
+    with pytest.raises(InvalidMessage, match="not valid base64"):
+        protocol.receive(broken)
+    other_stream = reordered.replace(SID, "MZ" + "0" * 32)
+    with pytest.raises(ProtocolViolation, match="unknown streamSid"):
+        protocol.receive(other_stream)
+    assert calls == [extra, broken, other_stream]
+
+
 @pytest.mark.parametrize("name", ["outbound_mark", "outbound_clear"])
 def test_outbound_messages_match_the_documented_shape(name: str) -> None:
     protocol = started()

@@ -249,6 +249,12 @@ class FakeTwilioCall:
 
     # --- queries ------------------------------------------------------------------------------
 
+    @property
+    def response_headers(self) -> dict[str, str]:
+        """The headers of the server's answer to the WebSocket upgrade (a proxy's too)."""
+        assert self._ws is not None and self._ws.response is not None
+        return {name.lower(): value for name, value in self._ws.response.headers.raw_items()}
+
     def events(self, name: str) -> list[Received]:
         return [r for r in self.received if r.message.get("event") == name]
 

@@ -30,14 +30,27 @@ The per-window probability becomes one event per caller turn:
   above ``threshold``. After ``min_silence_ms`` the turn is over; the pause start stays until
   the next speech start, since it is when the caller stopped talking.
 
-All of this is synchronous CPU work with per-call state (STYLE.md rules 1 and 6): about 0.17 ms
-per 32 ms window on one core (0.11 ms per 20 ms frame on average, 0.35 ms at the 99th
-percentile), so it runs inline on the event loop.
+All of this is synchronous CPU work with per-call state (STYLE.md rules 1 and 6). The model costs
+about 0.17 ms per 32 ms window on one core (0.11 ms per 20 ms frame), which on every frame of
+every call would saturate one event loop near 180 calls. So the model runs only on windows whose
+outcome can depend on it (``skip_quiet``, the default): while the detector is idle (no run, not
+speaking) a window that is not audible can neither count towards ``min_speech_ms`` nor end
+anything, so it is not run; its power still feeds the noise floor. A quiet line (digital
+silence, stationary line noise: a window's power never reaches 6 dB over the line's own
+one-second minimum) then costs a few microseconds a frame. The model's recurrent state does
+depend on the background it has heard (started cold on speech in noise it fires up to 0.5 s
+late), so the last :data:`LOOKBACK_WINDOWS` skipped windows are kept and run first when an
+audible window arrives: the model meets the speech with the state the line's recent background
+gives it, and decides as it does when it sees every window (``tests/test_audio_vad.py`` compares
+the two on speech, noise and backchannels). The call feeds the detector only while something
+interruptible plays (:class:`gateway.call.session.Call`), so all of it runs inline on the event
+loop.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import threading
 from pathlib import Path
 from typing import Any, Final
@@ -51,6 +64,7 @@ from gateway.errors import ModelLoadError
 __all__ = [
     "ABSOLUTE_FLOOR_DBFS",
     "AUDIBLE_MARGIN_DB",
+    "LOOKBACK_WINDOWS",
     "NEG_THRESHOLD_OFFSET",
     "NOISE_FLOOR_S",
     "SpeechStartDetector",
@@ -70,6 +84,9 @@ ABSOLUTE_FLOOR_DBFS: Final[float] = -70.0
 
 NOISE_FLOOR_S: Final[float] = 1.0
 """The noise floor is the quietest window of this much recent audio (minimum statistics)."""
+
+LOOKBACK_WINDOWS: Final[int] = 8
+"""Skipped quiet windows replayed through the model before an audible one (256 ms at 8 kHz)."""
 
 _STATE_SHAPE: Final[tuple[int, int, int]] = (2, 1, 128)
 _MARGIN: Final[float] = 10.0 ** (AUDIBLE_MARGIN_DB / 10.0)
@@ -158,23 +175,28 @@ class SpeechStartDetector:
     __slots__ = (
         "_context",
         "_feeds",
-        "_fill",
         "_floor_i",
+        "_history",
         "_in_run",
         "_min_silence",
         "_min_speech",
         "_neg_threshold",
+        "_pending",
         "_powers",
         "_run",
         "_session",
         "_silence",
+        "_skip_quiet",
+        "_skipped",
         "_speaking",
         "_table",
         "_threshold",
+        "_views",
         "_window",
         "_x",
         "events",
         "last_event_sample",
+        "model_windows",
         "pause_start",
         "probability",
         "samples",
@@ -189,9 +211,11 @@ class SpeechStartDetector:
         *,
         session: Any = None,
         codec: Codec = "pcmu",
+        skip_quiet: bool = True,
     ) -> None:
         """Create a detector for ``codec`` frames; ``session`` defaults to the shared
-        :func:`load_session` one."""
+        :func:`load_session` one. ``skip_quiet=False`` runs the model on every window (its
+        :attr:`probability` then follows silero-vad's own wrapper window by window)."""
         if min_speech_ms < 0 or min_silence_ms < 0:
             raise ValueError("min_speech_ms and min_silence_ms must be >= 0")
         if not 0.0 < threshold < 1.0:
@@ -205,31 +229,42 @@ class SpeechStartDetector:
         self._min_speech = min_speech_ms * sample_rate // 1000
         self._min_silence = min_silence_ms * sample_rate // 1000
         self._session = session if session is not None else load_session()
-        # The model input: [context | window], filled in place frame by frame.
+        # The model input: [context | window], filled in place window by window; views of its
+        # window, of its context and of the window's tail (the next context).
         self._x = np.zeros((1, self._context + self._window), dtype=np.float32)
+        self._views = (self._x[0, self._context :], self._x[0, : self._context],
+                       self._x[0, -self._context :])
         self._feeds: dict[str, npt.NDArray[Any]] = {
             "input": self._x,
             "state": np.zeros(_STATE_SHAPE, dtype=np.float32),
             "sr": np.array(sample_rate, dtype=np.int64),
         }
-        # Mean power of recent windows, a ring; +inf marks "not seen yet".
-        self._powers = np.full(
-            max(1, round(NOISE_FLOOR_S * sample_rate / self._window)), np.inf, dtype=np.float64
-        )
+        self._skip_quiet = skip_quiet
+        # The model inputs of the latest skipped windows, a ring, and how many were skipped
+        # since the model last ran.
+        self._history = np.zeros((LOOKBACK_WINDOWS, 1, self._context + self._window),
+                                 dtype=np.float32)
+        self._skipped = 0
+        # Mean power of recent windows, a ring; +inf marks "not seen yet". A list: the builtin
+        # min() of 31 floats costs a fraction of numpy's per-call overhead.
+        self._powers = [math.inf] * max(1, round(NOISE_FLOOR_S * sample_rate / self._window))
         self._floor_i = 0
-        self._fill = 0
+        # Inbound codes not yet a whole window.
+        self._pending = bytearray()
         self._in_run = False
         self._run = 0
         self._silence = 0
         self._speaking = False
         #: Speech starts detected since construction or :meth:`reset`.
         self.events = 0
-        #: Speech probability of the most recent model window (0.0 before the first).
+        #: Speech probability of the latest window the model ran on (0.0 before the first).
         self.probability = 0.0
         #: Samples consumed since construction or :meth:`reset`.
         self.samples = 0
         #: Sample count (as in :attr:`samples`) at which the latest speech start completed.
         self.last_event_sample: int | None = None
+        #: Windows the model ran on (replayed look-back windows included).
+        self.model_windows = 0
         #: Sample count at which the caller's current pause began: the first window below
         #: ``threshold - 0.15`` after a speech start (None while they speak, and before any).
         self.pause_start: int | None = None
@@ -248,9 +283,10 @@ class SpeechStartDetector:
         """Forget all audio and state, as if newly constructed (the event count restarts too)."""
         self._x.fill(0.0)
         self._feeds["state"] = np.zeros(_STATE_SHAPE, dtype=np.float32)
-        self._powers.fill(np.inf)
+        self._powers = [math.inf] * len(self._powers)
+        self._skipped = 0
         self._floor_i = 0
-        self._fill = 0
+        self._pending.clear()
         self._in_run = False
         self._run = 0
         self._silence = 0
@@ -259,6 +295,7 @@ class SpeechStartDetector:
         self.probability = 0.0
         self.samples = 0
         self.last_event_sample = None
+        self.model_windows = 0
         self.pause_start = None
 
     def push(self, frame: bytes | bytearray | memoryview) -> bool:
@@ -268,42 +305,54 @@ class SpeechStartDetector:
         Returns True when a speech start completed inside this audio: exactly once per caller
         turn, at the moment the speech has lasted ``min_speech_ms``.
         """
-        codes = np.frombuffer(frame, dtype=np.uint8)
-        n = codes.shape[0]
-        base = self.samples
+        pending = self._pending
+        pending += frame
+        n = len(frame)
         self.samples += n
+        window = self._window
+        if len(pending) < window:
+            return False
+        # Whole windows only reach numpy: one decode (a gather into the model's input) per 32 ms
+        # window instead of one or two per 20 ms frame.
+        first = self.samples - len(pending)  # the sample number of pending[0]
+        out = self._views[0]
+        table = self._table
         started = False
-        pos = 0
-        while pos < n:
-            take = min(self._window - self._fill, n - pos)
-            start = self._context + self._fill
+        offset = 0
+        while len(pending) - offset >= window:
             # mode="clip" lets take write straight into ``out`` (the default "raise" buffers);
             # a uint8 index can never be out of range of the 256-entry table anyway.
-            np.take(
-                self._table,
-                codes[pos : pos + take],
-                out=self._x[0, start : start + take],
-                mode="clip",
-            )
-            self._fill += take
-            pos += take
-            if self._fill == self._window and self._step(base + pos):
+            table.take(np.frombuffer(pending, np.uint8, window, offset), out=out, mode="clip")
+            offset += window
+            if self._step(first + offset):
                 started = True
-                self.last_event_sample = base + pos
+                self.last_event_sample = first + offset
+        del pending[:offset]
         return started
 
     def _step(self, end: int) -> bool:
         """One model window ending at sample ``end``; True when it completed a speech start."""
-        out, state = self._session.run(None, self._feeds)
-        self._feeds["state"] = state
-        window = self._x[0, self._context :]
-        power = float(np.dot(window, window)) / self._window
-        self._powers[self._floor_i] = power
-        self._floor_i = (self._floor_i + 1) % self._powers.shape[0]
-        audible = power >= max(float(self._powers.min()), _ABS_FLOOR) * _MARGIN
+        body, head, tail = self._views
+        power = float(body.dot(body)) / self._window
+        powers = self._powers
+        powers[self._floor_i] = power
+        self._floor_i = (self._floor_i + 1) % len(powers)
+        audible = power >= max(min(powers), _ABS_FLOOR) * _MARGIN
+        if not audible and self._skip_quiet and not (self._in_run or self._speaking):
+            # Idle and quiet: whatever the model said, this window could not count towards a
+            # start nor end anything (module docstring). Keep it for the look-back.
+            self._history[self._skipped % LOOKBACK_WINDOWS] = self._x
+            self._skipped += 1
+            head[...] = tail
+            return False
+        feeds = self._feeds
+        if self._skipped:
+            self._replay(feeds)
+        out, state = self._session.run(None, feeds)
+        self.model_windows += 1
+        feeds["state"] = state
         # The next window's context is the tail of this one (OnnxWrapper keeps it the same way).
-        self._x[0, : self._context] = self._x[0, -self._context :]
-        self._fill = 0
+        head[...] = tail
         p = float(out[0, 0])
         self.probability = p
         if not self._speaking:
@@ -336,3 +385,16 @@ class SpeechStartDetector:
                 self._speaking = False
                 self._silence = 0
         return False
+
+    def _replay(self, feeds: dict[str, npt.NDArray[Any]]) -> None:
+        """Run the latest skipped windows through the model, oldest first, so that it meets
+        this audible window with the state the line's recent background gives it."""
+        skipped, self._skipped = self._skipped, 0
+        count = min(skipped, LOOKBACK_WINDOWS)
+        history = self._history
+        model_input = feeds["input"]
+        for i in range(skipped - count, skipped):
+            feeds["input"] = history[i % LOOKBACK_WINDOWS]
+            feeds["state"] = self._session.run(None, feeds)[1]
+        feeds["input"] = model_input
+        self.model_windows += count

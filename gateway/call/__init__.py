@@ -8,6 +8,7 @@
 - :mod:`gateway.call.playout`: pacing and backpressure of outbound frames, per
   :class:`PlayoutPolicy`.
 - :mod:`gateway.call.inactivity`: the inbound-media watchdog.
+- :mod:`gateway.call.inbound`: the cap on a call's inbound media rate.
 - :mod:`gateway.call.admission`, :mod:`gateway.call.registry`: the replica's call budget and
   the calls in progress.
 - :mod:`gateway.call.lifecycle`: :class:`CallLifecycle`, what every transport asks to admit,
@@ -29,6 +30,7 @@ from gateway.call.events import (
     TransferTo,
 )
 from gateway.call.inactivity import InactivityWatch
+from gateway.call.inbound import InboundRate
 from gateway.call.lifecycle import CallLifecycle, DetectorFactory, DialogFactory
 from gateway.call.playout import FrameSink, Playout, PlayoutPolicy
 from gateway.call.registry import CallRegistry
@@ -62,6 +64,7 @@ __all__ = [
     "Hangup",
     "InactivityWatch",
     "InboundListener",
+    "InboundRate",
     "PlaybackDone",
     "Playout",
     "PlayoutPolicy",

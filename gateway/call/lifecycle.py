@@ -50,7 +50,8 @@ class DialogFactory(Protocol):
     """Chooses what runs each call (the IVR script of the line dialled, the greeter...)."""
 
     def for_call(self, call: Call) -> Dialog:
-        """The dialog for ``call``; it may look at ``call.parameters`` (caller, called)."""
+        """The dialog for ``call``; it may look at ``call.parameters`` (caller, called) and
+        name the call's line (``call.line``, a metrics label) before the call is counted."""
         ...
 
 
@@ -128,8 +129,14 @@ class CallLifecycle:
         )
         call.seat = seat
         call.parameters.update(parameters)
+        # The dialog is chosen before the call is counted: the factory names the call's line,
+        # a label of the metrics registering it starts.
+        try:
+            dialog = self.dialogs.for_call(call)
+        except BaseException:
+            self.admission.release(seat)
+            raise
         self.registry.add(call)
-        dialog = self.dialogs.for_call(call)
         # The call's tasks (and the tasks they start) log with its id.
         with call_context(call_id):
             call.start()
@@ -184,12 +191,16 @@ class CallLifecycle:
         left = self.registry.values()
         if left:
             log.warning("drain grace over: hanging up %d call(s)", len(left))
-            for call in left:
-                try:
-                    await call.end(HangUp())
-                except Exception:
-                    log.exception("call %s: hang-up at the end of the drain failed",
-                                  call.call_id)
+            # All at once: a hang-up may be a round trip to Twilio's REST API (seconds when it
+            # retries), and the orchestrator's SIGKILL deadline does not wait for a queue.
+            results = await asyncio.gather(*(call.end(HangUp()) for call in left),
+                                           return_exceptions=True)
+            for call, result in zip(left, results, strict=True):
+                # (A CancelledError here is that hang-up's own: the call ended meanwhile. The
+                # drain's own cancellation is raised by gather itself.)
+                if isinstance(result, Exception):
+                    log.error("call %s: hang-up at the end of the drain failed", call.call_id,
+                              exc_info=result)
         log.info("drained")
 
     async def close_all(self) -> None:

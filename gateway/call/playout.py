@@ -20,8 +20,13 @@ A stream with keep-alive silence that falls more than ``max_lag_frames`` behind 
 loop) re-anchors instead of bursting audio a jitter buffer would drop; one without keep-alive
 re-anchors whenever the far end has played everything it was sent.
 
-Backpressure: :meth:`Playout.push` waits while more than ``buffer_frames`` frames are buffered,
-so an utterance is pulled from the speech service no faster than it can be played.
+Backpressure: at most ``buffer_frames`` frames are buffered here. :meth:`Playout.push` of a
+longer list (a whole cached prompt) queues what fits and waits for the rest until the buffer has
+drained to half (so the producer wakes once per half-buffer, not once per 20 ms frame); live
+speech is pulled from the speech service no faster than it can be played.
+
+Hold (:attr:`Playout.paused`): nothing is released, so nothing is reported as played; what is
+buffered stays, and the caller hears it from where it stopped once the call is resumed.
 
 Barge-in (:meth:`Playout.interrupt`, STYLE.md rule 7): buffered audio is dropped and the far end
 told to clear. Where the gateway owns what plays next (``fade_on_interrupt``, lead 0), the next
@@ -75,7 +80,7 @@ class PlayoutPolicy:
     #: Fade the next frame out on barge-in. Only where the gateway owns what plays next
     #: (``lead_s == 0``): a far end that buffers audio has its own playback position.
     fade_on_interrupt: bool = False
-    #: Frames buffered here (beyond what the far end holds) before :meth:`Playout.push` waits.
+    #: Most frames buffered here (beyond what the far end holds): :meth:`Playout.push` waits.
     buffer_frames: int = 100
 
     def __post_init__(self) -> None:
@@ -83,6 +88,8 @@ class PlayoutPolicy:
             raise ValueError("fade_on_interrupt needs lead_s == 0: the far end plays its buffer")
         if not 1 <= self.min_frames_per_send <= self.max_frames_per_send:
             raise ValueError("need 1 <= min_frames_per_send <= max_frames_per_send")
+        if self.buffer_frames < 2:
+            raise ValueError("buffer_frames must be at least 2")
 
 
 class FrameSink(Protocol):
@@ -163,8 +170,14 @@ class Playout:
         self._wake = asyncio.Event()
         self._space = asyncio.Event()
         self._space.set()
+        # A waiting producer is woken once the buffer is down to this.
+        self._low = policy.buffer_frames // 2
+        # Bumped by interrupt(): a push still under way stops queueing its (dropped) audio.
+        self._epoch = 0
         self._task: asyncio.Task[None] | None = None
-        self.paused = False
+        self._paused = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
         #: Frames released since the call began (audio, fades and keep-alive silence).
         self.frames_released = 0
         #: Barge-in fades sent.
@@ -178,15 +191,25 @@ class Playout:
         self._wake.set()
 
     async def push(self, frames: list[bytes]) -> None:
-        """Queue frames; waits while the buffer is full (backpressure on the producer)."""
-        if not frames:
-            return
-        self._buffer.extend(frames)
-        self.buffered += len(frames)
-        self._wake.set()
-        while self.buffered > self.policy.buffer_frames:
-            self._space.clear()
-            await self._space.wait()
+        """Queue ``frames`` in order, never more than ``buffer_frames`` at a time: waits for
+        room (backpressure on the producer). Returns once the last one is queued, or at once
+        after an :meth:`interrupt` (what was not queued yet is dropped with the rest)."""
+        bound = self.policy.buffer_frames
+        epoch = self._epoch
+        start, count = 0, len(frames)
+        while start < count:
+            room = bound - self.buffered
+            if room <= 0:
+                self._space.clear()
+                await self._space.wait()
+                if self._epoch != epoch:
+                    return
+                continue
+            end = min(count, start + room)
+            self._buffer.extend(frames[start:end] if start or end < count else frames)
+            self.buffered += end - start
+            start = end
+            self._wake.set()
 
     def mark(self, name: str) -> None:
         """Report ``name`` as played once every frame queued before it has played."""
@@ -204,6 +227,7 @@ class Playout:
         self._buffer.clear()
         self.buffered = 0
         self._speaker = None
+        self._epoch += 1
         self._space.set()
         self._mark_at.clear()
         if fade is not None:
@@ -227,6 +251,26 @@ class Playout:
         self._origin = min(self._origin, self._clock.now() - position * FRAME_S)
 
     # --- state --------------------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        """On hold: nothing is released (nor reported as played); the buffer waits."""
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        if value == self._paused:
+            return
+        self._paused = value
+        if value:
+            self._resumed.clear()
+        else:
+            if self.policy.keepalive:
+                # We own the stream: it starts again now, the next frame due at once, not where
+                # the schedule before the hold would have put it.
+                self._anchored = False
+            self._resumed.set()
+            self._wake.set()
 
     def unplayed_s(self) -> float:
         """Seconds released to the far end and not yet played there, as far as we can tell."""
@@ -262,6 +306,9 @@ class Playout:
         policy = self.policy
         clock = self._clock
         while True:
+            if self._paused:
+                await self._resumed.wait()
+                continue
             if not self._buffer and not policy.keepalive:
                 self._wake.clear()
                 await self._wake.wait()
@@ -299,8 +346,7 @@ class Playout:
                     continue
                 frames = [self._silence]
                 speaker = None  # keep-alive silence is nobody's audio
-            if not self.paused:
-                await self._sink.send_frames(frames)
+            await self._sink.send_frames(frames)
             self._released += len(frames)
             self.frames_released += len(frames)
             if speaker is not None:
@@ -333,7 +379,7 @@ class Playout:
         if frames:
             # A fade frame after interrupt() was never counted in ``buffered``.
             self.buffered = max(0, self.buffered - len(frames))
-            if self.buffered <= self.policy.buffer_frames:
+            if self.buffered <= self._low:
                 self._space.set()
         return frames
 

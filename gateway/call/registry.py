@@ -22,8 +22,8 @@ class CallRegistry:
             raise ValueError(f"call {call.call_id} is already registered")
         self._calls[call.call_id] = call
         if self._metrics is not None:
-            self._metrics.calls_total.labels(call.transport_name).inc()
-            self._metrics.calls_active.labels(call.transport_name).inc()
+            self._metrics.calls_total.labels(call.transport_name, call.line).inc()
+            self._metrics.calls_active.labels(call.transport_name, call.line).inc()
 
     def remove(self, call: Call) -> bool:
         """Forget a finished call; False if it was not registered (already removed)."""
@@ -31,7 +31,7 @@ class CallRegistry:
             return False
         del self._calls[call.call_id]
         if self._metrics is not None:
-            self._metrics.calls_active.labels(call.transport_name).dec()
+            self._metrics.calls_active.labels(call.transport_name, call.line).dec()
         return True
 
     def get(self, call_id: str) -> Call | None:

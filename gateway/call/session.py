@@ -9,10 +9,16 @@ the call. Everything between is here, written once:
 - **Events** for the dialog (:attr:`Call.events`), stamped with the injected clock.
 - **The speech-detector feed**: inbound G.711 is decoded once, per codec, by the call's
   :class:`~gateway.audio.vad.SpeechStartDetector`; a detected start is a :class:`SpeechStarted`.
+  The detector hears the caller only while their speech can matter: while an ``interruptible``
+  utterance is generating or playing, or while the dialog asks for speech
+  (:attr:`Call.wants_speech`). The rest of the call (a gather's wait for keys, a webhook, a
+  prompt that must play to its end) costs it nothing.
 - **Listening** (:meth:`Call.listen`): while a speech gather listens, every inbound frame also
   goes to its :class:`InboundListener` (the turn's audio for the recogniser), told in step
   with the audio when the detector hears speech start, pause and resume; a pause is also a
-  :class:`SpeechPaused` for the dialog. Nothing is buffered when nobody listens.
+  :class:`SpeechPaused` for the dialog. A listener is a reason for the detector to hear the
+  caller; what the detector hears, the call keeps for :data:`RECENT_S` (a fixed ring), so a
+  listener that starts while the caller is already talking gets their speech from its start.
 - **Inactivity**: :class:`~gateway.call.inactivity.InactivityWatch` on every inbound packet.
 - **Speaking**: the dialog hands the call audio, a speech stream to :meth:`Call.speak` (24 kHz
   float chunks from the speech service) or 8 kHz PCM to :meth:`Call.play` (a cached prompt, a
@@ -23,6 +29,11 @@ the call. Everything between is here, written once:
 - **Barge-in** (:meth:`Call.barge_in`): generation is cancelled between chunks, buffered audio
   dropped (faded out where the gateway owns the stream) and the far end cleared: control beats
   media.
+- **Bounded for the call's life**, however long it lasts: the playout buffers at most its
+  policy's ``buffer_frames``; :attr:`Call.utterances` keeps the last :data:`MAX_UTTERANCES`
+  (a finished one lets go of its speech stream and captured audio when the next starts);
+  :attr:`Call.events` holds at most :data:`MAX_EVENTS` unread events (past that a key or a
+  mark is dropped and counted, a hang-up or a failure never).
 
 Who decides what to say (the IVR runner, the greeter) and who turns text into speech (the
 speech service, through :class:`gateway.speech.Speaker`) sit above the call: it never sees text
@@ -32,7 +43,7 @@ becoming audio, only audio becoming frames.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import collections
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -111,6 +122,8 @@ class _Recent:
         return bytes(self._buf[start:]) + bytes(self._buf[:self._pos])
 
 __all__ = [
+    "MAX_EVENTS",
+    "MAX_UTTERANCES",
     "AudioStream",
     "Call",
     "CallTransport",
@@ -120,6 +133,12 @@ __all__ = [
     "StreamOpener",
     "Utterance",
 ]
+
+#: Utterances a call remembers (the current one and the latest finished ones: tests, logs).
+MAX_UTTERANCES = 32
+#: Unread inbound events a call holds for its dialog. A dialog reads them as they come; one
+#: busy elsewhere (a webhook) for seconds gets a few keys and marks, not hundreds.
+MAX_EVENTS = 256
 
 
 class CallTransport(FrameSink, Protocol):
@@ -167,6 +186,14 @@ class SpeechDetector(Protocol):
 
     def push(self, frame: bytes | bytearray | memoryview) -> bool: ...
 
+    def reset(self) -> None: ...
+
+
+#: A detector that has not heard the caller for longer than this starts afresh: its noise floor
+#: (one second of windows, :data:`gateway.audio.vad.NOISE_FLOOR_S`) and its state would describe
+#: a line as it was, not as it is. Shorter gaps (between the sentences of one ``say``) carry on.
+_DETECTOR_MEMORY_S = 1.0
+
 
 class InboundListener(Protocol):
     """Takes a call's inbound audio while a speech gather listens (a
@@ -210,6 +237,10 @@ class Utterance:
     capture: list[npt.NDArray[np.float32]] | None = None
     #: Called once, when the first frame has gone to the transport.
     on_first_frame: Callable[[Utterance], None] | None = None
+    #: The caller's speech may stop it: the speech detector listens while it is not done.
+    interruptible: bool = False
+    #: Its number in the call (1, 2, ...): counts past what :attr:`Call.utterances` keeps.
+    seq: int = 0
 
     def frames_released(self, count: int, at: float) -> None:
         """The playout handed ``count`` of this utterance's frames to the transport at ``at``."""
@@ -238,6 +269,13 @@ class Utterance:
     def done(self) -> bool:
         return self.played.is_set() or self.interrupted or self.error is not None
 
+    def release(self) -> None:
+        """Let go of the speech stream, captured audio and task of a finished utterance (its
+        record stays: text, timings, outcome)."""
+        self.stream = None
+        self.capture = None
+        self.task = None
+
 
 class Call:
     """One phone call, whatever carries it: the media session the dialog talks to."""
@@ -259,14 +297,22 @@ class Call:
         self.transport = transport
         self.clock = clock
         self.answered_at = clock.now()
-        self.events: asyncio.Queue[CallEvent] = asyncio.Queue()
+        self.events: asyncio.Queue[CallEvent] = asyncio.Queue(maxsize=MAX_EVENTS)
+        #: Events dropped because the dialog had :data:`MAX_EVENTS` unread.
+        self.events_dropped = 0
+        #: The latest :data:`MAX_UTTERANCES` utterances, oldest first.
         self.utterances: list[Utterance] = []
+        #: Utterances started in all.
+        self.utterance_count = 0
         self.ended = False
         self.outcome: CallOutcome | None = None
         #: Variables the transport knows about the call (caller, called, call_id).
         self.parameters: dict[str, str] = {"call_id": call_id}
         #: The admission seat this call holds (released when it ends).
         self.seat: str = call_id
+        #: The ``line`` label of this call's metrics: the line it reached, set by the dialog
+        #: factory before the call is registered (``default``: no line, or an unlisted number).
+        self.line = "default"
         codec: Codec = transport.codec
         self.codec = codec
         self._pipeline = PhonePipeline(
@@ -278,9 +324,14 @@ class Call:
             on_failure=self._playout_failed,
         )
         self._detector = detector
-        #: Feed caller audio to the speech detector (off: nothing interruptible is playing).
-        self.listening = detector is not None
+        #: The dialog waits for the caller's speech (not only while an interruptible utterance
+        #: plays): the speech detector listens meanwhile.
+        self.wants_speech = False
+        #: When the detector last heard a frame (None: not yet). Past a gap longer than its
+        #: noise-floor memory it starts afresh rather than from a stale line.
+        self._heard_at: float | None = None
         self._listener: InboundListener | None = None
+        # What the detector heard lately, for a listener that starts while the caller talks.
         self._recent = _Recent(round(RECENT_S * _RATE)) if detector is not None else None
         # The detector's sample count when the last listener stopped: speech that started
         # before it was that listener's (heard, or given up for keys), never the next one's.
@@ -295,7 +346,6 @@ class Call:
         self._pending_marks: dict[str, Utterance] = {}
         self._metrics = metrics
         self._transport_name = transport_name
-        self._seq = itertools.count(1)
         self._started = False
 
     # --- state --------------------------------------------------------------------------------
@@ -329,6 +379,15 @@ class Call:
         clock read for the packet, when it has one (one read per packet)."""
         self.inactivity.touch(self.clock.now() if now is None else now)
 
+    @property
+    def listening(self) -> bool:
+        """Whether the speech detector hears the caller now (see the module docstring)."""
+        if self._detector is None:
+            return False
+        current = self._current
+        return self.wants_speech or self._listener is not None or (
+            current is not None and current.interruptible and not current.done)
+
     def inbound_audio(self, payload: bytes | bytearray | memoryview,
                       now: float | None = None) -> None:
         """20 ms of caller audio in the call's codec: liveness, then the speech detector."""
@@ -337,13 +396,25 @@ class Call:
         self.inactivity.touch(now)
         detector = self._detector
         listener = self._listener
-        if self._recent is not None:
-            self._recent.push(payload)
         if listener is not None:
             listener.feed(payload)
-            if detector is not None and self.listening:
-                self._turn(detector, listener, payload, now)
-        elif detector is not None and self.listening and detector.push(payload):
+        if detector is None:
+            return
+        # Per frame, so inline: ``listening`` without the property call.
+        current = self._current
+        if not (listener is not None or self.wants_speech
+                or (current is not None and current.interruptible and not current.done)):
+            return
+        heard_at, self._heard_at = self._heard_at, now
+        if heard_at is not None and now - heard_at > _DETECTOR_MEMORY_S:
+            detector.reset()
+            self._listened_until = 0
+        recent = self._recent
+        if recent is not None:
+            recent.push(payload)
+        if listener is not None:
+            self._turn(detector, listener, payload, now)
+        elif detector.push(payload):
             self.deliver(SpeechStarted(at=now))
 
     def _turn(self, detector: SpeechDetector, listener: InboundListener,
@@ -382,12 +453,17 @@ class Call:
             return
         if previous is not None and listener is None:
             self._listened_until = detector.samples
-        if listener is None or not self.listening or not detector.speaking:
+        if listener is None or not detector.speaking:
+            return
+        now = self.clock.now()
+        # A detector that has not heard the line lately (nothing interruptible played) would
+        # speak of a turn long over: the next frame resets it (inbound_audio).
+        heard_at = self._heard_at
+        if heard_at is None or now - heard_at > _DETECTOR_MEMORY_S:
             return
         started = detector.last_event_sample
         if started is None or started <= self._listened_until:
             return
-        now = self.clock.now()
         # Started first: a listener keeps only a short pre-roll of what it hears before speech.
         listener.speech_started(now)
         if self._recent is not None:
@@ -426,7 +502,24 @@ class Call:
                 utterance.played.set()
         if isinstance(event, Hangup):
             self.ended = True
-        self.events.put_nowait(event)
+        self._post(event)
+
+    def _post(self, event: CallEvent) -> None:
+        events = self.events
+        if events.full():
+            # The dialog is not reading (busy in a webhook, a caller mashing keys): keys, speech
+            # starts and marks beyond the bound are dropped; a hang-up or a failure takes the
+            # oldest event's place instead, so the dialog always learns of it.
+            self.events_dropped += 1
+            if self._metrics is not None:
+                self._metrics.call_events_dropped.labels(self._transport_name).inc()
+            if self.events_dropped == 1:
+                log.warning("call %s: %d events unread; dropping the excess", self.call_id,
+                            MAX_EVENTS)
+            if not isinstance(event, Hangup | SpeechFailed):
+                return
+            events.get_nowait()
+        events.put_nowait(event)
 
     def _played(self, name: str) -> None:
         self.deliver(PlaybackDone(name, at=self.clock.now()))
@@ -441,14 +534,16 @@ class Call:
     # --- speaking -----------------------------------------------------------------------------
 
     def speak(self, text: str, open_stream: StreamOpener, *, turn_started_at: float | None = None,
-              capture: bool = False) -> Utterance:
+              capture: bool = False, interruptible: bool = False) -> Utterance:
         """Start speaking ``text`` now from the stream ``open_stream`` gives; returns at once.
 
         ``turn_started_at`` is when the caller's turn ended (DTMF received, call answered):
         first-audio latency is measured from there. With ``capture`` the 8 kHz audio is kept so
         the caller of this method can cache the sentence once it was generated completely.
+        ``interruptible``: the caller's speech may stop it (the speech detector listens until
+        it is done, and a detected start is a :class:`SpeechStarted` for the dialog).
         """
-        utterance = self._new_utterance(text, turn_started_at)
+        utterance = self._new_utterance(text, turn_started_at, interruptible)
         if capture:
             utterance.capture = []
         if not utterance.done:
@@ -457,13 +552,15 @@ class Call:
         return utterance
 
     def play(
-        self, pcm: npt.NDArray[np.int16], *, label: str, turn_started_at: float | None = None
+        self, pcm: npt.NDArray[np.int16], *, label: str, turn_started_at: float | None = None,
+        interruptible: bool = False,
     ) -> Utterance:
         """Start playing 8 kHz int16 ``pcm`` (a cached prompt or a WAV file) now.
 
         No generation is involved: the first frames go out on the playout's next turn.
+        ``interruptible`` as for :meth:`speak`.
         """
-        utterance = self._new_utterance(label, turn_started_at)
+        utterance = self._new_utterance(label, turn_started_at, interruptible)
         utterance.cached = True
         if not utterance.done:
             utterance.task = asyncio.create_task(
@@ -471,18 +568,28 @@ class Call:
             )
         return utterance
 
-    def _new_utterance(self, text: str, turn_started_at: float | None) -> Utterance:
+    def _new_utterance(self, text: str, turn_started_at: float | None,
+                       interruptible: bool) -> Utterance:
         if self.speaking:
             raise RuntimeError("already speaking: barge_in() first")
         utterance = Utterance(
-            id=f"{self.call_id[-8:]}-u{next(self._seq)}",
+            id=f"{self.call_id[-8:]}-u{self.utterance_count + 1}",
+            seq=self.utterance_count + 1,
             text=text,
             turn_started_at=turn_started_at if turn_started_at is not None else self.clock.now(),
             caller_turn=turn_started_at is not None,
             on_first_frame=self._first_frame,
+            interruptible=interruptible,
         )
+        previous = self._current
+        if previous is not None:
+            previous.release()  # done (not speaking): its dialog has taken what it needed
         self._current = utterance
-        self.utterances.append(utterance)
+        self.utterance_count += 1
+        utterances = self.utterances
+        utterances.append(utterance)
+        if len(utterances) > MAX_UTTERANCES:
+            del utterances[0]
         if self.ended:
             # The call is over (a dialog still running its last step): nothing is generated or
             # sent, and the utterance is already done, never left generating for nobody.
@@ -497,8 +604,9 @@ class Call:
         latency = utterance.first_frame_at - utterance.turn_started_at
         if self._metrics is not None:
             source = "cached" if utterance.cached else "live"
-            self._metrics.first_audio.labels(self._transport_name, source).observe(latency)
-            self._metrics.turns.labels(self._transport_name, source).inc()
+            self._metrics.first_audio.labels(self._transport_name, source, self.line
+                                             ).observe(latency)
+            self._metrics.turns.labels(self._transport_name, source, self.line).inc()
         log.info("call %s: %s first audio %.1f ms after the caller's turn", self.call_id,
                  utterance.id, 1000 * latency)
 
@@ -521,7 +629,7 @@ class Call:
         self._pipeline.reset()
         await self.playout.interrupt()
         if self._metrics is not None:
-            self._metrics.barge_ins.labels(self._transport_name).inc()
+            self._metrics.barge_ins.labels(self._transport_name, self.line).inc()
         log.info("call %s: barge-in stopped %s after %d frames", self.call_id, utterance.id,
                  utterance.frames_sent)
 
@@ -535,6 +643,9 @@ class Call:
         finally:
             # Even when whoever closes the call is cancelled meanwhile: no pacing task is left.
             await self.playout.close()
+            for utterance in self.utterances:
+                if utterance.done:
+                    utterance.release()
 
     async def _stop_utterance(self) -> None:
         utterance = self._current
@@ -581,10 +692,7 @@ class Call:
     async def _play(self, utterance: Utterance, pcm: npt.NDArray[np.int16]) -> None:
         pushed = False
         try:
-            codec = self.codec
-            encoded = ulaw_encode(pcm) if codec == "pcmu" else alaw_encode(pcm)
-            framer = Framer(codec_silence(codec))
-            frames = framer.push(encoded) + framer.flush()
+            frames = _PROMPT_FRAMES.frames(pcm, self.codec)
             self.playout.begin(utterance)
             pushed = True
             await self.playout.push(frames)
@@ -609,7 +717,7 @@ class Call:
             log.error("call %s: %s failed: %r", self.call_id, utterance.id, exc, exc_info=exc)
         self._pipeline.reset()
         if self._metrics is not None:
-            self._metrics.speech_failures.labels(self._transport_name).inc()
+            self._metrics.speech_failures.labels(self._transport_name, self.line).inc()
         if pushed and not self.ended:
             # Whatever was sent of it is incomplete: drop it here and at the far end too.
             try:
@@ -621,7 +729,47 @@ class Call:
         # the interrupt above.
         utterance.error = reason
         utterance.failed.set()
-        self.events.put_nowait(SpeechFailed(utterance.id, reason, at=self.clock.now()))
+        self._post(SpeechFailed(utterance.id, reason, at=self.clock.now()))
+
+
+class _PromptFrames:
+    """G.711 frames of the PCM the call plays (cached prompts, sound files), encoded once per
+    codec: a prompt heard by a thousand callers is not encoded a thousand times (0.1 ms per
+    second of audio, the largest cost of a cached-prompt turn).
+
+    Keyed by the array itself (the prompt cache and the sound table hand out the same array
+    each time): an entry holds a reference to it, so its id cannot be reused while cached.
+    Least recently used first out, bounded by the frames' bytes.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: collections.OrderedDict[
+            tuple[int, Codec], tuple[npt.NDArray[np.int16], list[bytes]]] = (
+                collections.OrderedDict())
+
+    def frames(self, pcm: npt.NDArray[np.int16], codec: Codec) -> list[bytes]:
+        key = (id(pcm), codec)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is pcm:
+            self._entries.move_to_end(key)
+            return entry[1]
+        encoded = ulaw_encode(pcm) if codec == "pcmu" else alaw_encode(pcm)
+        framer = Framer(codec_silence(codec))
+        frames = framer.push(encoded) + framer.flush()
+        size = len(frames) * 160
+        if size <= self.max_bytes:
+            self._entries[key] = (pcm, frames)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self.bytes -= len(evicted) * 160
+        return frames
+
+
+#: 32 MiB of frames: an hour of distinct prompts per codec.
+_PROMPT_FRAMES = _PromptFrames(32 * 1024 * 1024)
 
 
 #: What drives a call once it is up: the IVR runner, or the first-call greeter.

@@ -44,7 +44,6 @@ from typing import Annotated, Any, Literal
 
 import httpx
 import numpy as np
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -71,10 +70,10 @@ from gateway.ivr.script import (
     ScriptError,
     Seconds,
     _key_position,
-    _Loader,
     _Map,
     _position,
     _schema_message,
+    read_yaml,
     render,
 )
 from gateway.ivr.script import Script as IvrScript
@@ -197,19 +196,8 @@ def load_cases(path: str | Path, script: IvrScript) -> CaseFile:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ScriptError([Diagnostic(label, 1, 1, f"cannot read the cases: {exc}")]) from None
-    loader = _Loader(text)
-    try:
-        tree = loader.get_single_data()
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ScriptError([Diagnostic(label, where[0], where[1],
-                                      f"YAML syntax: {problem}")]) from None
-    except RecursionError:
-        raise ScriptError([Diagnostic(label, 1, 1, "YAML nested too deeply")]) from None
-    finally:
-        loader.dispose()
+    tree, duplicates = read_yaml(text, label, what="a case file")
+    problems.extend(duplicates)
     if not isinstance(tree, _Map):
         raise ScriptError([Diagnostic(label, 1, 1, "a case file is a mapping with 'cases'")])
     try:
@@ -291,8 +279,10 @@ class _SilentSpeaker(Speaker):
         return _SilentSpeaker(voice)
 
     def say(self, call: Call, text: str, *, turn_started_at: float | None = None,
-            capture: bool = False, voice: SpeechVoice | None = None) -> Utterance:
-        return call.play(_SILENCE, label=text, turn_started_at=turn_started_at)
+            capture: bool = False, voice: SpeechVoice | None = None,
+            interruptible: bool = False) -> Utterance:
+        return call.play(_SILENCE, label=text, turn_started_at=turn_started_at,
+                         interruptible=interruptible)
 
 
 class _Backend:

@@ -22,6 +22,9 @@ from gateway.tts.service import SpeechService
 
 log = logging.getLogger(__name__)
 
+#: How far behind callers' turns a background render queues (see :func:`render_missing`).
+BACKGROUND_DEFER_S = 5.0
+
 
 @dataclass(frozen=True)
 class ResolvedVoice:
@@ -146,34 +149,53 @@ async def render_missing(
     voice: ResolvedVoice,
     conditioning: Conditioning | None = None,
     clones: dict[str, ResolvedVoice] | None = None,
+    *,
+    background: bool = False,
 ) -> tuple[int, int]:
     """Load every static prompt into memory (in every voice and language the script speaks
     it in), rendering the missing ones through the scheduler.
 
-    Returns ``(hits, rendered)``. Renders run concurrently, one per free slot.
+    Returns ``(hits, rendered)``. Renders run concurrently, one per free slot; ``background``
+    (a script reloaded while calls are up): on a quarter of the slots, queued behind every
+    caller's turn of the next few seconds, so callers keep their first-audio budget.
+
+    Whatever touches the disk or costs milliseconds runs in a worker thread, never on the event
+    loop: it runs while the gateway already answers (a SIP endpoint is up before the engine
+    loads, and /healthz), and reading, hashing and decoding every cached prompt, or an fsynced
+    write per render, would stall all of it for as long.
     """
-    hits = rendered = 0
-    todo: list[tuple[PromptKey, SpeechRequest]] = []
+    rendered = 0
     audio = audio_identity(speech.engines[0], conditioning)
-    for text, spec, resolved in renders(script, voice, clones):
-        key = prompt_key_for(spec, fingerprint, resolved.identity, text, audio)
-        if cache.get(key) is not None:
-            hits += 1
-        else:
-            todo.append((key, request_for(spec, text, resolved)))
+    wanted = [(prompt_key_for(spec, fingerprint, resolved.identity, text, audio),
+               request_for(spec, text, resolved))
+              for text, spec, resolved in renders(script, voice, clones)]
+    # Disk I/O off the event loop (a prompt not in memory is read and verified from its file):
+    # a reload runs while calls are up, and their frames are paced on this loop.
+    found = await asyncio.to_thread(lambda: [cache.get(key) is not None for key, _ in wanted])
+    hits = sum(found)
+    todo = [item for item, hit in zip(wanted, found, strict=True) if not hit]
 
     async def render_one(key: PromptKey, request: SpeechRequest) -> None:
         nonlocal rendered
         t0 = time.monotonic()
-        stream = speech.stream(request)
+        # The scheduler serves the earliest deadline first: a background render's deadline
+        # is BACKGROUND_DEFER_S later than that of a caller's turn submitted at the same time.
+        stream = (speech.stream(request, turn_started_at=speech.clock() + BACKGROUND_DEFER_S)
+                  if background else speech.stream(request))
         chunks = [chunk async for chunk in stream]
-        cache.put(key, pcm_from_chunks(chunks, conditioning), render_s=time.monotonic() - t0)
+        render_s = time.monotonic() - t0
+
+        def store() -> None:
+            # The phone path over the whole prompt, then the atomic, fsynced write.
+            cache.put(key, pcm_from_chunks(chunks, conditioning), render_s=render_s)
+
+        await asyncio.to_thread(store)
         rendered += 1
 
     # Deadline order in the scheduler is submission order here; bound the burst by what the
     # device generates at once (every batch row, or every slot), so a batched engine renders
     # the whole script in a few batched passes instead of one prompt at a time.
-    limit = asyncio.Semaphore(max(1, speech.capacity))
+    limit = asyncio.Semaphore(max(1, speech.capacity // 4 if background else speech.capacity))
 
     async def bounded(key: PromptKey, request: SpeechRequest) -> None:
         async with limit:

@@ -48,7 +48,7 @@ from gateway.call.events import (
     SpeechStarted,
     TransferTo,
 )
-from gateway.call.session import Call, Dialog, Utterance
+from gateway.call.session import Call, Utterance
 from gateway.clock import Clock, SystemClock
 from gateway.errors import RecognizerError
 from gateway.ivr.cache import PromptCache, PromptKey
@@ -81,6 +81,9 @@ MAX_WEBHOOK_BYTES = 64 * 1024
 MAX_VARIABLE_CHARS = 200
 #: Nodes visited by one call before the runner gives up (a script loop with no caller input).
 MAX_STEPS = 1000
+#: Keys an answer collects at most (the longest ``digits`` a gather may ask for): a caller
+#: pressing keys without end, no terminator coming, still gets an answer, and a bounded one.
+MAX_ANSWER_DIGITS = 32
 
 
 class _CallEnded(Exception):
@@ -134,6 +137,10 @@ class RunnerContext:
     #: Where speech gathers' turns are recognised (None: speech gathers take keys only).
     recognizer: SpeechInput | None = None
     metrics: Metrics | None = None
+    #: The line this context serves and the version of the lines it belongs to (for the
+    #: trace; None outside a gateway: the script tester).
+    line: str | None = None
+    version: int | None = None
 
     def key(self, text: str, voice: ScriptVoice | None = None) -> PromptKey:
         """The cache key of ``text`` spoken with ``voice`` (default: the script's)."""
@@ -164,22 +171,6 @@ class RunnerContext:
         ))
 
 
-class IvrDialogs:
-    """The :class:`~gateway.call.lifecycle.DialogFactory` of a gateway running one script.
-
-    (A line router choosing a script per dialled number is another factory of the same shape.)
-    """
-
-    def __init__(self, context: RunnerContext) -> None:
-        self.context = context
-
-    def for_call(self, call: Call) -> Dialog:
-        return self._run
-
-    async def _run(self, call: Call) -> None:
-        await IvrRunner(call, self.context, dict(call.parameters)).run()
-
-
 class IvrRunner:
     """Runs one call through the script."""
 
@@ -191,7 +182,8 @@ class IvrRunner:
         self.clock = context.clock
         #: What the call went through (logged at hang-up; the script tester reads it).
         self.trace = trace if trace is not None else CallTrace(
-            call.call_id, self.script.name, call.answered_at)
+            call.call_id, self.script.name, call.answered_at, line=context.line,
+            version=context.version)
         self.variables: dict[str, str] = {**self.script.variables, **variables}
         #: Who speaks now (a node's ``voice`` or ``set: {language}`` changes it).
         self.voice: ScriptVoice = self.script.voice
@@ -316,7 +308,7 @@ class IvrRunner:
             text = render(template, self.variables)
             if not text.strip():
                 continue
-            utterance = self._start_utterance(item, template, text, voice)
+            utterance = self._start_utterance(item, template, text, voice, barge_in)
             heard = Heard(self.path[-1] if self.path else "", text, voice.language,
                           voice.clone or voice.speaker or "", self.clock.now(),
                           cached=utterance.cached)
@@ -328,20 +320,21 @@ class IvrRunner:
         return True
 
     def _start_utterance(self, item: SayItem, template: str, text: str,
-                         voice: ScriptVoice) -> Utterance:
+                         voice: ScriptVoice, barge_in: bool) -> Utterance:
         static = not template_variables(template)
         cacheable = static or (isinstance(item, Sentence) and item.cache)
         turn, self._turn_at = self._turn_at, None
         if cacheable:
             pcm = self.ctx.cache.peek(self.ctx.key(text, voice))
             if pcm is not None:
-                return self.call.play(pcm, label=text, turn_started_at=turn)
+                return self.call.play(pcm, label=text, turn_started_at=turn,
+                                      interruptible=barge_in)
         speaker = self.ctx.speaker_for(voice)
         # A cacheable sentence rendered live (a miss) is stored under its voice's seed: it is
         # rendered with that seed, as ahead-of-time renders are, not unseeded.
         cache_voice = replace(speaker.voice, seed=voice.seed) if cacheable else None
         return speaker.say(self.call, text, turn_started_at=turn, capture=cacheable,
-                           voice=cache_voice)
+                           voice=cache_voice, interruptible=barge_in)
 
     def _after_utterance(self, text: str, voice: ScriptVoice, utterance: Utterance) -> None:
         # A cacheable sentence rendered live (a cache miss) is stored once complete.
@@ -358,7 +351,8 @@ class IvrRunner:
         if pcm is None:
             raise _Failed(f"sound {name!r} was not loaded")
         turn, self._turn_at = self._turn_at, None
-        utterance = self.call.play(pcm, label=f"file:{name}", turn_started_at=turn)
+        utterance = self.call.play(pcm, label=f"file:{name}", turn_started_at=turn,
+                                   interruptible=barge_in)
         return await self._wait_played(utterance, barge_in=barge_in)
 
     async def _wait_played(self, utterance: Utterance, *, barge_in: bool) -> bool:
@@ -437,7 +431,7 @@ class IvrRunner:
         node = self.path[-1] if self.path else ""
         gather = self.script.nodes[node].gather if node in self.script.nodes else None
         shown = "*" if gather is not None and gather.private else digit
-        self.trace.keys.append(KeyPress(node, shown, self.clock.now()))
+        self.trace.key(KeyPress(node, shown, self.clock.now()))
 
     # --- gathering ----------------------------------------------------------------------------
 
@@ -533,7 +527,7 @@ class IvrRunner:
                 if gather.terminator is not None and digit == gather.terminator:
                     return _Answer("".join(entered))
                 entered.append(digit)
-                if gather.digits is not None and len(entered) >= gather.digits:
+                if len(entered) >= (gather.digits or MAX_ANSWER_DIGITS):
                     return _Answer("".join(entered))
             if turn is not None and not entered:
                 now = self.clock.now() if reached is None else max(self.clock.now(), reached)

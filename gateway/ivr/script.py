@@ -230,6 +230,52 @@ def _key_position(tree: Any, path: Iterable[str | int]) -> tuple[int, int]:
     return _position(tree, parts)
 
 
+def read_yaml(text: str, label: str, *, what: str = "a script",
+              loader: type[_Loader] = _Loader) -> tuple[Any, list[Diagnostic]]:
+    """The YAML tree of ``text`` with every node's position, and a diagnostic per duplicate key.
+
+    A syntax error (or nesting deep enough to exhaust PyYAML's recursion) raises
+    :class:`ScriptError` at once, located; ``what`` names the document in that message. Script,
+    case and lines files all load through here, so their errors read alike.
+    """
+    reader = loader(text)
+    try:
+        tree = reader.get_single_data()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
+        problem = getattr(exc, "problem", None) or str(exc)
+        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and context_mark is not None:
+            problem += (f" ({context} that starts at line {context_mark.line + 1}, "
+                        f"column {context_mark.column + 1})")
+        diagnostic = Diagnostic(label, where[0], where[1], f"YAML syntax: {problem}")
+        raise ScriptError([diagnostic]) from None
+    except RecursionError:
+        # PyYAML composes and constructs recursively: a few hundred levels of [[[...]]] would
+        # otherwise escape as a traceback instead of a diagnostic.
+        raise ScriptError([Diagnostic(label, 1, 1, f"YAML nested too deeply: {what} is a few "
+                                                   "levels of mappings and lists")]) from None
+    finally:
+        reader.dispose()
+    duplicates = [
+        Diagnostic(label, pos[0], pos[1],
+                   f"'{key}' is defined twice (first at line {first[0]}); names must be unique")
+        for pos, key, first in reader.duplicates
+    ]
+    return tree, duplicates
+
+
+def position(tree: Any, path: Iterable[str | int]) -> tuple[int, int]:
+    """Where the value at ``path`` of a :func:`read_yaml` tree is (1-based line, column)."""
+    return _position(tree, path)
+
+
+def key_position(tree: Any, path: Iterable[str | int]) -> tuple[int, int]:
+    """Where the key ending ``path`` of a :func:`read_yaml` tree is (a name's definition)."""
+    return _key_position(tree, path)
+
+
 # --- the schema -------------------------------------------------------------------------------
 
 
@@ -876,28 +922,8 @@ def parse_script(
     def report(pos: tuple[int, int], message: str) -> None:
         problems.append(Diagnostic(label, pos[0], pos[1], message))
 
-    loader = _Loader(text)
-    try:
-        tree = loader.get_single_data()
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
-        problem = getattr(exc, "problem", None) or str(exc)
-        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-        if context and context_mark is not None:
-            problem += (f" ({context} that starts at line {context_mark.line + 1}, "
-                        f"column {context_mark.column + 1})")
-        diagnostic = Diagnostic(label, where[0], where[1], f"YAML syntax: {problem}")
-        raise ScriptError([diagnostic]) from None
-    except RecursionError:
-        # PyYAML composes and constructs recursively: a few hundred levels of [[[...]]] would
-        # otherwise escape as a traceback instead of a diagnostic.
-        raise ScriptError([Diagnostic(label, 1, 1, "YAML nested too deeply: a script is a few "
-                                                   "levels of mappings and lists")]) from None
-    finally:
-        loader.dispose()
-    for pos, key, first in loader.duplicates:
-        report(pos, f"'{key}' is defined twice (first at line {first[0]}); names must be unique")
+    tree, duplicates = read_yaml(text, label, what="a script")
+    problems.extend(duplicates)
     if not isinstance(tree, _Map):
         report((1, 1), "a script is a mapping with name, voice, start, prompts and nodes")
         raise ScriptError(problems)

@@ -15,7 +15,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CallTrace", "Heard", "KeyPress", "Recognised", "Visit", "WebhookCall"]
+__all__ = ["MAX_KEYS", "CallTrace", "Heard", "KeyPress", "Recognised", "Visit", "WebhookCall"]
+
+#: Keys a trace records (a caller could press keys for the whole call).
+MAX_KEYS = 256
 
 
 @dataclass
@@ -90,8 +93,10 @@ class CallTrace:
     started_at: float
     visits: list[Visit] = field(default_factory=list)
     heard: list[Heard] = field(default_factory=list)
+    #: The first :data:`MAX_KEYS` keys (``keys_dropped`` counts the rest).
     keys: list[KeyPress] = field(default_factory=list)
-    #: What speech gathers heard.
+    keys_dropped: int = 0
+    #: What speech gathers heard (one per recognised turn: bounded by the gathers visited).
     speech: list[Recognised] = field(default_factory=list)
     webhooks: list[WebhookCall] = field(default_factory=list)
     #: (node, what it chose): a branch's case, "open"/"closed", a gather's answer kind.
@@ -101,6 +106,10 @@ class CallTrace:
     #: The transfer target, when there is one.
     target: str | None = None
     ended_at: float | None = None
+    #: The line that answered (its name, ``default`` for an unlisted number) and the version of
+    #: the lines and scripts the call ran on (a reload installs the next one).
+    line: str | None = None
+    version: int | None = None
     #: Called each time the runner starts waiting for the caller with nothing queued (the
     #: script tester presses the next key then).
     on_waiting: Callable[[], None] | None = field(default=None, repr=False, compare=False)
@@ -109,14 +118,26 @@ class CallTrace:
     def path(self) -> list[str]:
         return [visit.node for visit in self.visits]
 
+    def key(self, press: KeyPress) -> None:
+        """Record a key, up to :data:`MAX_KEYS` of them (a trace is bounded however long the
+        call and however many keys its caller presses)."""
+        if len(self.keys) < MAX_KEYS:
+            self.keys.append(press)
+        else:
+            self.keys_dropped += 1
+
     def to_record(self) -> dict[str, Any]:
         """The trace as plain JSON-able data (the structured log record)."""
         # Field by field: asdict() of the whole trace would deep-copy on_waiting's target (an
         # asyncio.Event, its loop with it).
         record: dict[str, Any] = {"call_id": self.call_id, "script": self.script,
                                   "path": self.path}
+        if self.line is not None:
+            record["line"], record["version"] = self.line, self.version
         for part in ("visits", "heard", "keys", "speech", "webhooks"):
             record[part] = [asdict(entry) for entry in getattr(self, part)]
+        if self.keys_dropped:
+            record["keys_dropped"] = self.keys_dropped
         record["outcome"], record["target"] = self.outcome, self.target
         record["choices"] = [{"node": n, "chose": c} for n, c in self.choices]
         record["duration_s"] = (round(self.ended_at - self.started_at, 3)

@@ -19,7 +19,8 @@ What a :class:`SipCaller` does, like a desk phone calling an IVR:
   Timer A retransmission (T1 = 500 ms, doubling, stopped by any response, section 17.1.1.2);
   ACK for the 2xx, re-sent for every retransmitted 2xx (13.2.2.4); ACK for non-2xx finals in the
   INVITE transaction (17.1.1.3) and a clear :class:`CallFailed`; BYE with Timer E (17.1.2.2);
-  CANCEL when the setup times out after a provisional response (9.1).
+  CANCEL when the setup times out after a provisional response (9.1); :meth:`SipCaller.hold`
+  and :meth:`SipCaller.resume` re-INVITE with ``a=sendonly`` / ``a=sendrecv`` (RFC 3264 8.4).
 - **Incoming requests**: BYE (200, ``remote_hangup_at`` recorded, our media stops), OPTIONS
   (200), REFER (202, then a NOTIFY whose ``message/sipfrag`` body says
   ``SIP/2.0 503 Service Unavailable``: a load simulator cannot follow a transfer, so it accepts the
@@ -966,6 +967,16 @@ class SipCaller:
                           answer.direction in ("sendrecv", "recvonly"))
         self._sender = loop.create_task(self._send_media(), name="loadsim-rtp")
 
+    async def hold(self, timeout_s: float = 5.0) -> int | None:
+        """Put the call on hold as a phone does: a re-INVITE offering ``a=sendonly`` (RFC 3264
+        section 8.4; we keep sending, the gateway stops). Returns the final status (a 2xx is
+        ACKed), None without one within ``timeout_s``."""
+        return await self._reinvite("sendonly", timeout_s)
+
+    async def resume(self, timeout_s: float = 5.0) -> int | None:
+        """Take the call off hold: a re-INVITE offering ``a=sendrecv``."""
+        return await self._reinvite("sendrecv", timeout_s)
+
     def play(self, frames: Iterable[bytes]) -> None:
         """Send these 160-byte mu-law frames from the next 20 ms tick on, then silence."""
         self._audio = iter(frames)
@@ -1258,6 +1269,33 @@ class SipCaller:
             self._finished[key] = None
             if len(self._finished) > _REPLY_CACHE:
                 self._finished.pop(next(iter(self._finished)))
+
+    async def _reinvite(self, direction: str, timeout_s: float) -> int | None:
+        if self._state != "confirmed" or self.local_rtp is None:
+            raise LoadSimError("no call in progress")
+        self._sdp_version += 1
+        sdp = offer_sdp(self._local_ip, self.local_rtp[1], session_id=self._sdp_session,
+                        version=self._sdp_version, direction=direction)
+        invite, branch = self._dialog_request("INVITE", body=sdp, extra=[("Allow", _ALLOW)])
+        response = await self._transact(invite.serialize(), branch, "INVITE", timeout_s)
+        if response is None:
+            self._error(f"re-INVITE ({direction}): no final response within {timeout_s} s")
+            return None
+        if response.status < 300:
+            # RFC 3261 13.2.2.4: the 2xx to a re-INVITE is ACKed in the dialog, same CSeq.
+            ack, _ = self._dialog_request("ACK", cseq=invite.cseq[0])
+            self._send_sip(ack.serialize(), self._dest)
+            try:
+                answer = read_answer(response.body)
+            except SdpError as exc:
+                self._error(f"re-INVITE ({direction}): unusable SDP answer: {exc}")
+            else:
+                self._apply_media(answer.address, answer.port, answer.audio_pt,
+                                  answer.event_pt, direction in ("sendrecv", "sendonly"))
+        else:
+            self._error(f"re-INVITE ({direction}) answered {response.status} "
+                        f"{response.reason}")
+        return response.status
 
     async def _cancel_invite(self) -> None:
         """CANCEL the pending INVITE (RFC 3261 9.1); the 487 that follows is ACKed as usual."""

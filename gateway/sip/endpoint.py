@@ -9,8 +9,16 @@ by the lifecycle; BYE, CANCEL, a lost ACK or the lifecycle's inactivity watch en
 Per call, a :class:`SipMedia` owns one RTP socket and is the call's transport: it declares how
 RTP plays (:data:`RTP_PLAYOUT`: one packet per 20 ms, silence when idle, a mark played once the
 frame before it is sent, barge-in faded and marked as a new talkspurt) and puts each frame the
-call's playout releases into an RTP packet. Inbound, it latches symmetric RTP, and hands caller
-audio (in the call's codec, decoded once by the speech detector) and RFC 4733 digits to the call.
+call's playout releases into an RTP packet. Inbound, it latches symmetric RTP, caps the packet
+rate (:mod:`gateway.call.inbound`), and hands caller audio (in the call's codec, decoded once by
+the speech detector) and RFC 4733 digits to the call.
+
+Hold (a re-INVITE with a=sendonly or a=inactive): nothing is sent and nothing is played; what
+the call was saying waits in its playout and is heard from where it stopped once the caller
+resumes. The RTP timestamp is the sampling clock and keeps running meanwhile (RFC 3550 section
+5.1: it advances with time, not with packets), so the first packet after the hold carries the
+hold's duration in its timestamp, the next sequence number (the sequence counts packets sent)
+and the marker bit of a new talkspurt (RFC 3551 section 4.1).
 """
 
 from __future__ import annotations
@@ -19,17 +27,19 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.aio import cancel_and_wait
 from gateway.call.events import CallOutcome, Codec, TransferTo
+from gateway.call.inbound import InboundRate
 from gateway.call.lifecycle import CallLifecycle
 from gateway.call.playout import PlayoutPolicy
 from gateway.call.session import Call
-from gateway.errors import ConfigError
 from gateway.metrics import Metrics
+from gateway.net import bind
 from gateway.sip.rtp import DtmfReceiver, RtpError, RtpPacket, RtpReceiverStats, RtpSender
 from gateway.sip.sdp import Answer
 from gateway.sip.uas import (
@@ -49,7 +59,7 @@ from gateway.sip.uas import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RTP_PLAYOUT", "MediaStats", "SipEndpoint", "SipMedia"]
+__all__ = ["MAX_DIGITS", "RTP_PLAYOUT", "MediaStats", "SipEndpoint", "SipMedia"]
 
 #: How RTP plays: the gateway owns the stream (lead 0), so pacing is one packet per 20 ms beat,
 #: silence keeps the stream continuous (NAT bindings, the far end's media timers; a gap would be
@@ -63,7 +73,16 @@ RTP_PLAYOUT = PlayoutPolicy(
     max_lag_frames=5,
     far_end_marks=False,
     fade_on_interrupt=True,
+    # A second of audio queued ahead of the wire, as Twilio's lead (GATEWAY_TWILIO_MAX_LEAD_MS):
+    # a cached prompt is fed in as it plays, not queued whole.
+    buffer_frames=50,
 )
+
+#: Digits a call keeps in :attr:`MediaStats.digits` (the latest; ``digits_received`` counts all).
+MAX_DIGITS = 64
+
+#: One 20 ms frame, in seconds.
+_FRAME_S = 0.02
 
 #: How long a REFER may wait for its final NOTIFY before the caller is hung up (64*T1).
 TRANSFER_TIMEOUT_S = 32.0
@@ -72,21 +91,7 @@ TRANSFER_TIMEOUT_S = 32.0
 def bind_udp(host: str, port: int, variable: str = "GATEWAY_SIP") -> socket.socket:
     """A UDP socket bound to ``host:port``, or a :class:`~gateway.errors.ConfigError` that
     says which setting to change (the port is taken, the address is not this host's)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_DGRAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise ConfigError(f"cannot bind the SIP endpoint to udp {host}:{port} ({variable}): "
-                          f"{exc.strerror or exc}") from None
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot bind the SIP endpoint to udp {host}:{port} ({variable}): "
-                          f"{exc.strerror or exc}") from None
-    sock.setblocking(False)
-    return sock
+    return bind(host, port, kind="udp", what="SIP endpoint", variable=variable)
 
 
 class _Udp(asyncio.DatagramProtocol):
@@ -113,7 +118,12 @@ class MediaStats:
     received: int = 0
     ignored_source: int = 0
     malformed: int = 0
-    digits: list[str] = field(default_factory=list)
+    #: Packets over the call's inbound rate cap, dropped unread.
+    flooded: int = 0
+    #: The latest :data:`MAX_DIGITS` digits received.
+    digits: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_DIGITS))
+    #: Digits received in all.
+    digits_received: int = 0
 
 
 class SipMedia:
@@ -139,6 +149,10 @@ class SipMedia:
         self.remote = answer.remote_rtp
         self._latched = False
         self._on_hold = answer.on_hold
+        self._held_at: float | None = endpoint.clock.now() if answer.on_hold else None
+        self.rate = InboundRate()
+        self._dropped_metric = (endpoint.metrics.inbound_media_dropped.labels("sip")
+                                if endpoint.metrics is not None else None)
 
     @property
     def on_hold(self) -> bool:
@@ -147,7 +161,18 @@ class SipMedia:
 
     @on_hold.setter
     def on_hold(self, value: bool) -> None:
+        if value == self._on_hold:
+            return
         self._on_hold = value
+        now = self.endpoint.clock.now()
+        if value:
+            self._held_at = now
+        elif self._held_at is not None:
+            # The sampling clock ran on while nothing was sent (RFC 3550 5.1); the sequence
+            # number did not (it counts packets). The audio resumes as a new talkspurt.
+            self.sender.skip(max(0, round((now - self._held_at) / _FRAME_S)))
+            self.sender.start_talkspurt()
+            self._held_at = None
         if self.call is not None:
             self.call.hold(value)
 
@@ -190,6 +215,18 @@ class SipMedia:
         elif not (addr[0] == self.answer.remote_rtp[0] or self.endpoint.accept_any_rtp_source):
             self.stats.ignored_source += 1
             return
+        # One clock read per packet, shared by the rate cap, the inactivity watch, jitter and
+        # DTMF.
+        now = self.endpoint.clock.now()
+        if not self.rate.allow(now):
+            # A flood from this source: dropped before it is even parsed.
+            self.stats.flooded += 1
+            if self.rate.dropped == 1:
+                log.warning("sip call %s: inbound RTP over %g packets/s; dropping the excess",
+                            self.key[:24], self.rate.rate)
+            if self._dropped_metric is not None:
+                self._dropped_metric.inc()
+            return
         try:
             packet = RtpPacket.parse(data)
         except RtpError:
@@ -201,8 +238,6 @@ class SipMedia:
             self.remote = addr
             self._latched = True
         self.stats.received += 1
-        # One clock read per packet, shared by the inactivity watch, jitter and DTMF.
-        now = self.endpoint.clock.now()
         call = self.call
         if call is not None:
             call.received(now)
@@ -217,6 +252,7 @@ class SipMedia:
                 return
             if digit is not None:
                 self.stats.digits.append(digit)
+                self.stats.digits_received += 1
                 if call is not None:
                     call.dtmf(digit, now)
             return

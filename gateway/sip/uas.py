@@ -95,6 +95,7 @@ class IncomingCall:
     key: str
     source: Addr
     caller: str
+    #: What was dialled: the Request-URI user, else the To user (the line it reaches).
     called: str
     offer_codecs: tuple[str, ...]
 
@@ -548,7 +549,8 @@ class UasCore:
         )
         return [
             self._reply(request, source, 100, now=now),
-            IncomingCall(dialog.key, source, _user(from_.uri), _user(to.uri), codecs),
+            IncomingCall(dialog.key, source, _user(from_.uri), _dialled(request.uri, to.uri),
+                         codecs),
         ]
 
     def _on_reinvite(self, dialog: Dialog, request: SipRequest, source: Addr,
@@ -716,6 +718,13 @@ def _key(request: SipRequest) -> str:
 def _user(uri: str) -> str:
     match = re.match(r"^sips?:([^@;>]+)@", uri)
     return match.group(1) if match else uri
+
+
+def _dialled(request_uri: str, to_uri: str) -> str:
+    """Who the INVITE is for: the Request-URI's user (the target after any retargeting by a
+    proxy, RFC 3261 8.1.1.1 and 16.5), else the To user (an INVITE to ``sip:host`` alone)."""
+    match = re.match(r"^sips?:([^@;>]+)@", request_uri)
+    return match.group(1) if match else _user(to_uri)
 
 
 def _host_of(uri: str) -> str:

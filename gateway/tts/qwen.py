@@ -246,6 +246,7 @@ class QwenEngine(OverSharedModel, Engine):
         trim_leading_silence: bool = True,
         adaptive_chunks: bool = True,
         attn_implementation: str = "sdpa",
+        record_codes: bool = False,
     ) -> None:
         shared = model if isinstance(model, QwenModel) else QwenModel(
             model, device, dtype, attn_implementation
@@ -265,7 +266,10 @@ class QwenEngine(OverSharedModel, Engine):
         self.adaptive_chunks = adaptive_chunks
         self._wrapper = _graph_holders(shared, self.max_seq_len)
         self._base = shared.base
-        #: Codec frames of the most recent stream, chunk by chunk (tests compare decodes).
+        #: With ``record_codes`` (tests and debugging compare decodes): the codec frames of the
+        #: most recent stream, chunk by chunk. Off in production: a slot would otherwise hold
+        #: its last utterance's code tensors until its next one, for as long as it is idle.
+        self.record_codes = record_codes
         self.last_codes: list[Any] = []
 
     # --- Engine API ---------------------------------------------------------------------------
@@ -483,8 +487,10 @@ class QwenEngine(OverSharedModel, Engine):
             if len(buffer) >= target:
                 if on_cuda:
                     torch.cuda.synchronize()
-                self.last_codes.append(torch.stack(buffer))
-                yield self.last_codes[-1]
+                chunk = torch.stack(buffer)
+                if self.record_codes:
+                    self.last_codes.append(chunk)
+                yield chunk
                 # The consumer asks for more once this chunk is decoded and handed on.
                 planner.chunk_done(len(buffer))
                 buffer = []
@@ -518,8 +524,10 @@ class QwenEngine(OverSharedModel, Engine):
         if buffer and not should_stop():
             if on_cuda:
                 torch.cuda.synchronize()
-            self.last_codes.append(torch.stack(buffer))
-            yield self.last_codes[-1]
+            chunk = torch.stack(buffer)
+            if self.record_codes:
+                self.last_codes.append(chunk)
+            yield chunk
 
     def _decode_incremental(
         self, codes: Generator[Any, None, None], ref_codes: Any = None

@@ -5,8 +5,13 @@
   ``wss://<public host>/twilio/media``; at capacity, draining or warming up, a short apology and
   ``<Hangup/>`` instead.
 - ``POST /twilio/after-stream``: the ``<Connect action>``; Twilio requests it once the stream
-  ends. Returns what the call does next: ``<Dial>`` for a transfer decided during the stream,
-  else ``<Hangup/>``.
+  ends without a live-call update (:mod:`gateway.twilio.rest`) having replaced it. Returns what
+  the call does next: ``<Dial>`` for a transfer decided during the stream, the busy message
+  for a stream refused here, else ``<Hangup/>``. On a fleet the request may reach a replica
+  that did not run the stream: with live-call updates configured that replica answers "wait a
+  second and ask again" (``<Pause>`` + ``<Redirect>``, :data:`~gateway.twilio.session.
+  AFTER_STREAM_HOPS` times) rather than a ``<Hangup/>`` that would cut off a transfer being
+  delivered by REST, or recorded on the replica that ran the stream.
 - ``WS /twilio/media``: the Media Stream itself (:class:`~gateway.twilio.session.TwilioSession`).
 
 Every entry validates X-Twilio-Signature; a bad or missing one gets 403 and nothing else.
@@ -18,13 +23,15 @@ import logging
 
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
-from twilio.twiml.voice_response import Connect, Dial, VoiceResponse
+from twilio.twiml.voice_response import Connect, VoiceResponse
 
 from gateway.call.events import TransferTo
 from gateway.call.lifecycle import CallLifecycle
 from gateway.metrics import Metrics
+from gateway.twilio.rest import CallUpdater
 from gateway.twilio.session import Outcomes, TwilioConfig, TwilioSession
 from gateway.twilio.signature import SignatureChecker
+from gateway.twilio.twiml import after_stream_retry, busy, outcome_twiml
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +54,10 @@ def build_router(
     outcomes: Outcomes,
     config: TwilioConfig,
     metrics: Metrics,
+    updater: CallUpdater | None = None,
 ) -> APIRouter:
-    """The Twilio routes, given the collaborators they use and nothing else."""
+    """The Twilio routes, given the collaborators they use and nothing else (``updater``: the
+    live-call updates of a fleet, None for a replica alone)."""
     router = APIRouter(prefix="/twilio")
 
     @router.post("/voice")
@@ -70,10 +79,7 @@ def build_router(
             # Full, draining or warming up: a short apology beats ringing into silence; Twilio
             # then hangs up. The caller's next try lands on another replica.
             log.warning("call %s refused: %s", call_sid, refused.replace("_", " "))
-            busy = VoiceResponse()
-            busy.say(config.busy_message)
-            busy.hangup()
-            return _twiml(busy)
+            return _twiml(busy(config.busy_message))
         base = checker.base_url(request)
         ws_base = "wss" + base[5:] if base.startswith("https") else "ws" + base[4:]
         response = VoiceResponse()
@@ -94,17 +100,26 @@ def build_router(
             return _forbidden()
         call_sid = form.get("CallSid")
         outcome = outcomes.take(call_sid) if isinstance(call_sid, str) else None
+        if outcome is not None:
+            metrics.twilio_after_stream.labels("outcome").inc()
+            if isinstance(outcome, TransferTo):
+                log.info("call %s: transferring to %s", call_sid, outcome.target)
+            return _twiml(outcome_twiml(outcome))
+        hop = _hop(request.query_params.get("hop"))
+        if hop < config.after_stream_hops:
+            # Not a call this replica knows. On a fleet the replica that ran its stream either
+            # delivers the outcome by REST (the update replaces this <Pause> too) or recorded
+            # it because the update failed; the next request through the balancer may reach
+            # it. A <Hangup/> here would cut off that transfer.
+            metrics.twilio_after_stream.labels("retry").inc()
+            log.info("call %s: after-stream for a stream this replica did not run; asking "
+                     "again in %d s (%d of %d)", call_sid, config.after_stream_pause_s, hop + 1,
+                     config.after_stream_hops)
+            url = f"{checker.base_url(request)}/twilio/after-stream?hop={hop + 1}"
+            return _twiml(after_stream_retry(url, config.after_stream_pause_s))
+        metrics.twilio_after_stream.labels("hangup").inc()
         response = VoiceResponse()
-        if isinstance(outcome, TransferTo):
-            if outcome.target.startswith(("sip:", "sips:")):
-                dial = Dial()
-                dial.sip(outcome.target)
-                response.append(dial)
-            else:
-                response.dial(outcome.target)
-            log.info("call %s: transferring to %s", call_sid, outcome.target)
-        else:
-            response.hangup()
+        response.hangup()
         return _twiml(response)
 
     @router.websocket("/media")
@@ -122,6 +137,13 @@ def build_router(
             await websocket.close(code=1013)
             return
         await websocket.accept()
-        await TwilioSession(websocket, lifecycle, config, outcomes, metrics).run()
+        await TwilioSession(websocket, lifecycle, config, outcomes, metrics, updater).run()
 
     return router
+
+
+def _hop(value: str | None) -> int:
+    """``?hop=N`` of an after-stream retry (0 for Twilio's first request, or junk)."""
+    if value is None or not value.isdigit() or len(value) > 3:
+        return 0
+    return int(value)

@@ -5,8 +5,10 @@ It only translates. :class:`TwilioSession` reads the socket, feeds
 call lifecycle understands (``start`` -> admit and start the call; ``media`` -> caller audio;
 ``dtmf`` -> a key; ``mark`` -> playback done; ``stop`` or a closed socket -> finish).
 :class:`TwilioTransport` is the call's way out: frames as ``media`` messages, ``mark``,
-``clear``, and the end of the call (closing the stream makes Twilio request the ``<Connect
-action>`` URL, which answers with what :class:`Outcomes` recorded). Pacing, backpressure,
+``clear``, and the end of the call: with a :class:`~gateway.twilio.rest.CallUpdater`, the
+outcome goes to Twilio as a live-call update and Twilio ends the stream itself; otherwise (or
+when the update fails) closing the stream makes Twilio request the ``<Connect action>`` URL,
+which answers with what :class:`Outcomes` recorded. Pacing, backpressure,
 inactivity and the speech detector are the lifecycle's (:mod:`gateway.call`); this adapter only
 declares how Twilio plays audio (:meth:`TwilioConfig.playout`).
 
@@ -26,9 +28,11 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from gateway.call.events import CallOutcome, Codec
 from gateway.call.inactivity import InactivityWatch
+from gateway.call.inbound import InboundRate
 from gateway.call.lifecycle import CallLifecycle
 from gateway.call.playout import PlayoutPolicy
 from gateway.call.session import Call
+from gateway.clock import Cancellable, Clock, SystemClock
 from gateway.config import Settings
 from gateway.errors import CallProtocolError, ProtocolViolation
 from gateway.logs import call_id_var
@@ -44,10 +48,20 @@ from gateway.twilio.protocol import (
     Start,
     Stop,
 )
+from gateway.twilio.rest import CallUpdater
+from gateway.twilio.twiml import Busy, StreamOutcome, outcome_twiml
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_OUTCOMES", "Outcomes", "TwilioConfig", "TwilioSession", "TwilioTransport"]
+__all__ = [
+    "AFTER_STREAM_HOPS",
+    "HANDOFF_S",
+    "MAX_OUTCOMES",
+    "Outcomes",
+    "TwilioConfig",
+    "TwilioSession",
+    "TwilioTransport",
+]
 
 #: Inbound messages handled back to back before the receive loop yields to other calls
 #: (a burst of 16 media messages is well under a millisecond of work).
@@ -55,6 +69,19 @@ YIELD_EVERY = 16
 
 #: Finished calls' outcomes kept for their <Connect action> request.
 MAX_OUTCOMES = 10_000
+
+#: ``after-stream`` retries for a call this replica does not know, on a fleet (see
+#: :attr:`TwilioConfig.after_stream_hops`): with round-robin over two replicas the first retry
+#: reaches the other one; over N, three tries reach a given one with 1 - (1 - 1/N)^3.
+AFTER_STREAM_HOPS = 2
+
+#: After a live-call update Twilio ends the stream itself (the update interrupts
+#: <Connect><Stream>); should it not within this long, the stream is closed from here and the
+#: outcome recorded for after-stream still holds on this replica.
+HANDOFF_S = 5.0
+
+#: How a media message Twilio sends begins (compact JSON, ``event`` first).
+_MEDIA_PREFIX = '{"event":"media"'
 
 
 @dataclass(frozen=True)
@@ -68,9 +95,15 @@ class TwilioConfig:
     max_lead_s: float = 1.0
     frames_per_message: int = 50
     #: How long the voice webhook holds a seat for a stream that has not connected yet (Twilio
-    #: connects within a second or two; a call that never streams gives its seat back).
-    reservation_s: float = 30.0
+    #: connects within a second or two; a call that never streams gives its seat back). 0: none.
+    reservation_s: float = 5.0
     busy_message: str = "Sorry, all our lines are busy right now."
+    #: How many times ``after-stream`` answers a call it does not know with "wait, ask again"
+    #: (``<Pause>`` + ``<Redirect>`` through the balancer) before ``<Hangup/>``. 0 without
+    #: live-call updates: a gateway that cannot reach Twilio's API is taken to be the only
+    #: replica, and a call it does not know has no outcome anywhere.
+    after_stream_hops: int = 0
+    after_stream_pause_s: int = 1
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TwilioConfig:
@@ -79,7 +112,9 @@ class TwilioConfig:
             idle_timeout_s=settings.twilio_idle_timeout_s,
             max_lead_s=settings.twilio_max_lead_ms / 1000,
             frames_per_message=settings.frames_per_message,
+            reservation_s=settings.twilio_reservation_s,
             busy_message=settings.busy_message,
+            after_stream_hops=AFTER_STREAM_HOPS if settings.twilio_account_sid else 0,
         )
 
     def playout(self) -> PlayoutPolicy:
@@ -103,24 +138,26 @@ class Outcomes:
     """How each finished stream's call continues, for its ``<Connect action>`` request.
 
     Recorded by the replica that ran the stream and read (once) by ``/twilio/after-stream``,
-    normally within a second. If that request lands on another replica it never comes here:
-    only the newest :data:`MAX_OUTCOMES` are kept.
+    normally within a second. On a fleet that request may land on another replica, which
+    knows nothing of it: there the outcome reaches Twilio as a live-call update
+    (:mod:`gateway.twilio.rest`), and this record is the fallback should the update fail. Only
+    the newest :data:`MAX_OUTCOMES` are kept.
     """
 
     def __init__(self, limit: int = MAX_OUTCOMES) -> None:
         self._limit = limit
-        self._outcomes: OrderedDict[str, CallOutcome] = OrderedDict()
+        self._outcomes: OrderedDict[str, StreamOutcome] = OrderedDict()
 
-    def record(self, call_sid: str, outcome: CallOutcome) -> None:
+    def record(self, call_sid: str, outcome: StreamOutcome) -> None:
         self._outcomes[call_sid] = outcome
         self._outcomes.move_to_end(call_sid)
         while len(self._outcomes) > self._limit:
             self._outcomes.popitem(last=False)
 
-    def take(self, call_sid: str) -> CallOutcome | None:
+    def take(self, call_sid: str) -> StreamOutcome | None:
         return self._outcomes.pop(call_sid, None)
 
-    def get(self, call_sid: str) -> CallOutcome | None:
+    def get(self, call_sid: str) -> StreamOutcome | None:
         return self._outcomes.get(call_sid)
 
     def __contains__(self, call_sid: object) -> bool:
@@ -141,12 +178,23 @@ class TwilioTransport:
         protocol: MediaStreamProtocol,
         outcomes: Outcomes | None = None,
         playout: PlayoutPolicy | None = None,
+        *,
+        updater: CallUpdater | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self._ws = websocket
         self._protocol = protocol
         self.playout = playout if playout is not None else TwilioConfig().playout()
         self._outcomes = outcomes if outcomes is not None else Outcomes()
+        self._updater = updater
+        self._clock = clock if clock is not None else SystemClock()
         self.call_sid: str | None = None
+        #: Twilio took the outcome as a live-call update; it ends the stream itself.
+        self.handed_off = False
+        #: The session stopped reading: Twilio sent ``stop``, the socket closed or went silent.
+        self.stream_over = False
+        self._handoff: Cancellable | None = None
+        self._closing: asyncio.Task[None] | None = None
         # Frames and marks come from the playout task, clear from the dialog, close from either:
         # one lock keeps each message whole and in order on the socket.
         self._lock = asyncio.Lock()
@@ -181,16 +229,56 @@ class TwilioTransport:
     async def clear(self) -> None:
         await self._write(self._protocol.send(OutboundClear()))
 
+    @property
+    def connected(self) -> bool:
+        """The stream is still up (Twilio has not ended it, nor have we)."""
+        return not self.stream_over and self._ws.application_state is WebSocketState.CONNECTED
+
     async def end(self, outcome: CallOutcome) -> None:
-        # Closing the stream makes Twilio request the <Connect action> URL, which answers with
-        # <Dial> or <Hangup/> from the outcome recorded here.
-        if self.call_sid is not None:
-            self._outcomes.record(self.call_sid, outcome)
+        await self.hand_over(outcome)
+
+    async def hand_over(self, outcome: StreamOutcome, *, close_code: int = 1000,
+                        reason: str = "") -> bool:
+        """Tell Twilio how the call continues; True when a live-call update delivered it.
+
+        The outcome is recorded for ``after-stream`` first (this replica answers it whatever
+        else happens). Then, with an updater, the call's TwiML is replaced through the REST
+        API while the stream is still open, so no ``after-stream`` request (which any replica
+        may get) can race the update; Twilio ends the stream when it runs the new TwiML, and
+        the stream is closed from here only if it has not after :data:`HANDOFF_S`. Without an
+        updater, or when the update failed, the stream is closed now and Twilio requests
+        ``after-stream``, answered here with ``<Dial>``, the busy message or ``<Hangup/>``
+        (``close_code`` and ``reason`` say why, RFC 6455 7.4.1: 1013 for a refused stream).
+        """
+        call_sid = self.call_sid
+        if call_sid is not None:
+            self._outcomes.record(call_sid, outcome)
+            if self._updater is not None and self.connected:
+                if await self._updater.update(call_sid, outcome_twiml(outcome),
+                                              still_needed=lambda: self.connected):
+                    self.handed_off = True
+                    if self.connected and self._handoff is None:
+                        self._handoff = self._clock.call_later(HANDOFF_S, self._handoff_over)
+                    return True
+        await self.close(close_code, reason)
+        return False
+
+    def _handoff_over(self) -> None:
+        if self.connected:
+            log.warning("call %s: Twilio took the update but kept the stream open for %g s; "
+                        "closing it", self.call_sid, HANDOFF_S)
+            self._closing = asyncio.create_task(self.close(1000))
+
+    async def close(self, code: int, reason: str = "") -> None:
+        """Close the stream (``reason`` at most 123 bytes, RFC 6455 5.5), once."""
+        if self._handoff is not None:
+            self._handoff.cancel()
         async with self._lock:
             if self._ws.application_state is WebSocketState.CONNECTED:
-                # Already closed under us (see _write): nothing left to close.
-                with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-                    await self._ws.close(code=1000)
+                # Already closed under us (see _write), or the peer vanished: nothing to close.
+                with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+                    await self._ws.close(
+                        code=code, reason=reason.encode()[:120].decode(errors="ignore"))
 
     def abort(self, reason: str) -> None:
         """The stream went silent: stop reading (the session then closes the socket)."""
@@ -214,15 +302,21 @@ class TwilioSession:
         config: TwilioConfig,
         outcomes: Outcomes,
         metrics: Metrics | None = None,
+        updater: CallUpdater | None = None,
     ) -> None:
         self.ws = websocket
         self.lifecycle = lifecycle
         self.config = config
         self.metrics = metrics
         self.protocol = MediaStreamProtocol(max_message_bytes=config.max_message_bytes)
-        self.transport = TwilioTransport(websocket, self.protocol, outcomes, config.playout())
+        self.transport = TwilioTransport(websocket, self.protocol, outcomes, config.playout(),
+                                         updater=updater, clock=lifecycle.clock)
         self.call: Call | None = None
         self.inbound_frames = 0
+        #: The cap on this stream's inbound message rate (:mod:`gateway.call.inbound`).
+        self.rate = InboundRate()
+        self._dropped_metric = (metrics.inbound_media_dropped.labels("twilio")
+                                if metrics is not None else None)
         self._watch: InactivityWatch | None = None
 
     @property
@@ -242,12 +336,15 @@ class TwilioSession:
                                      lambda: transport.abort("inbound timeout"), self.label)
         self._watch = watch
         received = 0
+        rate = self.rate
+        protocol = self.protocol
         try:
             while transport.aborted is None:
                 transport.receiving = True
                 message = await self.ws.receive()
                 transport.receiving = False
-                watch.touch(clock.now())
+                now = clock.now()
+                watch.touch(now)
                 if message["type"] == "websocket.disconnect":
                     log.info("call %s: socket closed by peer (code %s)", self.label,
                              message.get("code"))
@@ -255,17 +352,36 @@ class TwilioSession:
                 data = message.get("text")
                 if data is None:
                     data = message.get("bytes") or b""
-                event = self.protocol.receive(data)
-                if not await self._dispatch(event):
-                    return
                 # ws.receive() does not suspend while frames are queued: without a yield a client
                 # bursting thousands of messages would hold the event loop (and every other
-                # call's audio) until its whole burst was processed. In steady state (one
-                # message per 20 ms) receive() suspends anyway, so yield only every few
+                # call's audio) until its whole burst was read, dropped or not. In steady state
+                # (one message per 20 ms) receive() suspends anyway, so yield only every few
                 # messages rather than pay an extra loop turn per frame on every call.
                 received += 1
                 if received % YIELD_EVERY == 0:
                     await asyncio.sleep(0)
+                if rate.allow(now):
+                    event = protocol.receive(data)
+                elif isinstance(data, str) and data.startswith(_MEDIA_PREFIX):
+                    # Over the cap (a flood): media in the compact form Twilio sends is dropped
+                    # unread; anything else is read, and dropped if it is media after all.
+                    self._dropped()
+                    continue
+                else:
+                    event = protocol.receive(data)
+                    if isinstance(event, Media):
+                        self._dropped()
+                        continue
+                if type(event) is Media:
+                    # The per-frame case inline (no coroutine per message): caller audio, 20 ms
+                    # of mu-law, for liveness and the speech detector.
+                    self.inbound_frames += 1
+                    call = self.call
+                    if call is not None:
+                        call.inbound_audio(event.audio, now)
+                    continue
+                if not await self._dispatch(event, now):
+                    return
         except CallProtocolError as exc:
             if self.metrics is not None:
                 self.metrics.calls_closed_by_error.labels("twilio", type(exc).__name__).inc()
@@ -280,18 +396,21 @@ class TwilioSession:
                 raise
         finally:
             transport.receiving = False
+            transport.stream_over = True
             watch.cancel()
             await self._end()
 
-    async def _dispatch(self, event: object) -> bool:
-        """Act on one inbound event; False when the stream is over."""
+    def _dropped(self) -> None:
+        if self.rate.dropped == 1:
+            log.warning("call %s: inbound media over %g messages/s; dropping the excess",
+                        self.label, self.rate.rate)
+        if self._dropped_metric is not None:
+            self._dropped_metric.inc()
+
+    async def _dispatch(self, event: object, now: float) -> bool:
+        """Act on one inbound event other than media (run() handles those inline); False when
+        the stream is over."""
         call = self.call
-        if isinstance(event, Media):
-            # Inbound caller audio, 20 ms of mu-law: liveness and the speech detector.
-            self.inbound_frames += 1
-            if call is not None:
-                call.inbound_audio(event.audio)
-            return True
         if isinstance(event, Dtmf):
             if call is not None:
                 call.dtmf(event.dtmf.digit)
@@ -316,13 +435,19 @@ class TwilioSession:
             # replace the first call in the call table and could steer its outcome.
             raise ProtocolViolation(f"call {meta.callSid} already has a stream")
         refused = lifecycle.admit(meta.callSid, "twilio")
+        self.transport.call_sid = meta.callSid
         if refused is not None:
-            # No webhook reservation and no room (or draining): this stream is not taken.
+            # No reservation here and no room (or draining): this stream is not taken. On a
+            # fleet that is how a replica keeps to its own budget whichever replica answered
+            # the webhook; the caller still hears the busy message, by a live-call update or
+            # from after-stream, as if the webhook had refused.
             log.warning("call %s: stream refused: %s", meta.callSid, refused.replace("_", " "))
-            await self._close(1013, f"try again later ({refused.replace('_', ' ')})")
+            if await self.transport.hand_over(
+                    Busy(self.config.busy_message), close_code=1013,
+                    reason=f"try again later ({refused.replace('_', ' ')})"):
+                return True  # Twilio ends the stream as it runs the busy TwiML
             return False
         params = meta.customParameters
-        self.transport.call_sid = meta.callSid
         # From here on this task's records, and those of the tasks it starts, carry the call.
         call_id_var.set(meta.callSid)
         self.call = lifecycle.start(
@@ -338,11 +463,7 @@ class TwilioSession:
         return True
 
     async def _close(self, code: int, reason: str) -> None:
-        if self.ws.application_state is WebSocketState.CONNECTED:
-            # Close reasons are limited to 123 bytes (RFC 6455 section 5.5). The socket may be
-            # gone already (the peer vanished): nothing to tell it then.
-            with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
-                await self.ws.close(code=code, reason=reason.encode()[:120].decode(errors="ignore"))
+        await self.transport.close(code, reason)
 
     async def _end(self) -> None:
         call = self.call
