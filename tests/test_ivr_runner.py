@@ -271,6 +271,31 @@ async def test_no_input_retries_then_falls_back_to_the_agent(
     assert h.transport.outcome == TransferTo("+15555550100")
 
 
+async def test_a_gather_waits_out_a_hold_and_gives_the_caller_their_full_time_back(
+    demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine
+) -> None:
+    """A SIP caller who puts the IVR on hold mid-menu is away, not silent: the menu's 5 s
+    no-input timeout stands still for the whole hold, and restarts in full when they are
+    back (it used to run on, so they came back to a retry, or to the fallback)."""
+    h = Harness(demo, speech, engine, cache=demo_cache)
+    await h.start()
+    await h.waiting_for_input()
+    retry = demo.sentence("not_understood")
+    h.call.hold(True)
+    await h.clock.advance(30)
+    assert h.spoken().count(retry) == 0 and h.runner.path == ["welcome", "menu"]
+    h.call.hold(False)
+    await h.waiting_for_input()  # the wait starts again, whole
+    await h.clock.advance(4.5)
+    assert h.spoken().count(retry) == 0
+    await h.clock.advance(1)
+    await h.waiting_for_input()
+    assert h.spoken().count(retry) == 1
+    await h.press("2")
+    await h.finished()
+    assert h.transport.outcome == TransferTo("+15555550100")
+
+
 async def test_invalid_key_counts_as_a_retry(
     demo: Script, speech: SpeechService, demo_cache: PromptCache, engine: Engine
 ) -> None:

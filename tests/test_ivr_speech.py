@@ -305,3 +305,22 @@ async def test_no_speech_and_no_keys_is_no_input(h: Harness) -> None:
     await h.waiting()
     assert h.spoken()[-2:] == ["Sorry.", MENU]
     assert h.recognizer.turns == 0 and h.runner.trace.speech == []
+
+
+async def test_a_hold_stops_the_no_input_clock_of_a_listening_gather(h: Harness) -> None:
+    """As for keys (tests/test_ivr_runner.py): a caller on hold is away, so the listening
+    menu's 5 s no-input timeout waits for them and restarts in full; their speech after the
+    hold is still the answer."""
+    await h.waiting()
+    h.call.hold(True)
+    await h.settle(20.0)
+    assert h.spoken() == [MENU] and h.runner.path == ["menu"]
+    h.call.hold(False)
+    await h.waiting()
+    await h.settle(4.5)
+    assert h.spoken() == [MENU]
+    h.recognizer.results.append(said("agent"))
+    await h.say()
+    await h.settle(0.5)
+    await h.task
+    assert h.runner.path[-1] == "agent" and h.spoken()[-1] == "Hold on."

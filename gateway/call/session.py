@@ -305,6 +305,9 @@ class Call:
         #: Utterances started in all.
         self.utterance_count = 0
         self.ended = False
+        # Set while the caller has not put the call on hold (SIP hold, RFC 3264 section 8.4).
+        self._resumed = asyncio.Event()
+        self._resumed.set()
         self.outcome: CallOutcome | None = None
         #: Variables the transport knows about the call (caller, called, call_id).
         self.parameters: dict[str, str] = {"call_id": call_id}
@@ -487,12 +490,24 @@ class Call:
         self._played(name)
 
     def hold(self, held: bool) -> None:
-        """The caller put the call on hold (or resumed): no media either way meanwhile."""
+        """The caller put the call on hold (or resumed): no media either way meanwhile, and
+        the dialog's waits for the caller stand still (:meth:`wait_resumed`)."""
         self.playout.paused = held
         if held:
             self.inactivity.suspend()
+            self._resumed.clear()
         else:
             self.inactivity.resume()
+            self._resumed.set()
+
+    @property
+    def on_hold(self) -> bool:
+        """True while the caller holds the call."""
+        return not self._resumed.is_set()
+
+    async def wait_resumed(self) -> None:
+        """Return once the caller takes the call off hold (at once when it is not held)."""
+        await self._resumed.wait()
 
     def deliver(self, event: CallEvent) -> None:
         """Hand an inbound event to the dialog."""

@@ -413,10 +413,31 @@ class IvrRunner:
             if self.trace.on_waiting is not None and self.call.events.empty():
                 self.trace.on_waiting()
             got = await self._event_within(remaining)
+            if got is None and self.call.on_hold and timeout is not None:
+                # A caller who put the IVR on hold is away, not silent: their time to answer
+                # stands still, and they get all of it again once back.
+                got = await self._event_or_resume()
+                if got is None:
+                    deadline = self.clock.now() + timeout
+                    continue
             if isinstance(got, Hangup) or self.call.ended:
                 raise _CallEnded()
             if not isinstance(got, PlaybackDone):
                 return got
+
+    async def _event_or_resume(self) -> CallEvent | None:
+        """The call's next event, or None once the caller takes the call off hold."""
+        getter = asyncio.ensure_future(self.call.events.get())
+        resumed = asyncio.ensure_future(self.call.wait_resumed())
+        try:
+            await asyncio.wait({getter, resumed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for future in (getter, resumed):
+                if not future.done():
+                    future.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        return None
 
     async def _event_within(self, timeout: float | None) -> CallEvent | None:
         """The call's next event, or ``None`` once ``timeout`` seconds have passed."""
@@ -535,8 +556,17 @@ class IvrRunner:
                 if decision is not None:
                     return self._spoken(gather, decision)
                 if not turn.speaking and now >= no_input_at:
-                    return _Answer("")
-                event, reached = await self._next_speech_event(turn, now, no_input_at)
+                    if not self.call.on_hold:
+                        return _Answer("")
+                    # On hold: no-input time stands still until the caller is back (as for keys).
+                    event, reached = await self._event_or_resume(), None
+                    if event is None:
+                        no_input_at = self.clock.now() + timeout
+                        continue
+                    if isinstance(event, Hangup) or self.call.ended:
+                        raise _CallEnded()
+                else:
+                    event, reached = await self._next_speech_event(turn, now, no_input_at)
             else:
                 event = await self._next_event(timeout)
                 if event is None:
