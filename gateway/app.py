@@ -486,7 +486,9 @@ async def _start_sip(gateway: Gateway, sock: socket.socket | None) -> SipEndpoin
     endpoint = SipEndpoint(gateway.lifecycle, config, metrics=gateway.metrics,
                            rtp_ports=settings.rtp_port_range,
                            answer_delay_s=settings.sip_answer_delay_ms / 1000,
-                           rtp_timeout_s=settings.sip_rtp_timeout_s)
+                           rtp_timeout_s=settings.sip_rtp_timeout_s,
+                           inbound_rate=settings.inbound_media_rate,
+                           inbound_burst=settings.inbound_media_burst)
     await endpoint.start(host, port, sock=sock)
     return endpoint
 

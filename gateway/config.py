@@ -193,6 +193,16 @@ class Settings(BaseSettings):
         "long, except while on hold: a lost BYE would otherwise hold a call slot forever. "
         "0: never.",
     )
+    inbound_media_rate: float = Field(
+        100, ge=60, le=10000,
+        description="Inbound media messages (Twilio) or RTP packets (SIP) a second one call may "
+        "send on average; the excess is dropped unread and counted. A normal stream sends 50.",
+    )
+    inbound_media_burst: int = Field(
+        150, ge=50, le=100000,
+        description="Inbound messages a call may send back to back above that rate (a network "
+        "stall delivers its backlog at once: 150 is three seconds of 20 ms frames).",
+    )
     public_url: str | None = Field(
         None,
         description="Public https:// base URL Twilio reaches (behind the load balancer). "

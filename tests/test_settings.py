@@ -145,3 +145,20 @@ def test_live_call_updates_use_the_api_key_else_the_auth_token(
                  twilio_api_key_secret="s3cret"), SystemClock())
     assert by_key is not None and by_key.api_base == "https://api.twilio.com"
     assert (by_key._username, by_key._password, by_key.account_sid) == (KEY, "s3cret", SID)
+
+
+def test_the_inbound_media_cap_is_a_setting_both_transports_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GATEWAY_INBOUND_MEDIA_RATE / _BURST reach the Twilio streams' cap (the SIP endpoint's
+    is tests/test_sip_media.py's flood test); a cap a normal 50-a-second stream would hit is
+    refused by name."""
+    from gateway.twilio.session import TwilioConfig
+
+    monkeypatch.setenv("GATEWAY_INBOUND_MEDIA_RATE", "200")
+    monkeypatch.setenv("GATEWAY_INBOUND_MEDIA_BURST", "400")
+    config = TwilioConfig.from_settings(Settings())
+    assert (config.inbound_rate, config.inbound_burst) == (200, 400)
+    monkeypatch.setenv("GATEWAY_INBOUND_MEDIA_RATE", "40")
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    assert settings_error(info.value).startswith("GATEWAY_INBOUND_MEDIA_RATE")

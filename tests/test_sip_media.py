@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
+import pytest
 from clocks import LoopClock
 from conftest import virtual_loop
 
@@ -62,8 +63,9 @@ class Playing:
 Scenario = Callable[[SipEndpoint, Metrics, Playing], Awaitable[None]]
 
 
-def _run(scenario: Scenario, pcm: np.ndarray, ports: range) -> None:
-    """Run ``scenario`` against a fresh endpoint whose calls play ``pcm``, on virtual time."""
+def _run(scenario: Scenario, pcm: np.ndarray, ports: range, **options: Any) -> None:
+    """Run ``scenario`` against a fresh endpoint whose calls play ``pcm``, on virtual time
+    (``options``: more of :class:`SipEndpoint`'s keyword arguments)."""
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -77,7 +79,7 @@ def _run(scenario: Scenario, pcm: np.ndarray, ports: range) -> None:
                                   dialogs=dialog, clock=clock, metrics=metrics)
         endpoint = SipEndpoint(lifecycle, UasConfig(local_ip="127.0.0.1", local_port=0,
                                                     allow=["127.0.0.1/32"], t1=0.1),
-                               metrics=metrics, rtp_ports=ports)
+                               metrics=metrics, rtp_ports=ports, **options)
         await endpoint.start("127.0.0.1", 0)
         try:
             await scenario(endpoint, metrics, dialog)
@@ -209,10 +211,14 @@ def test_a_whole_prompt_is_fed_to_the_wire_as_it_plays_not_queued() -> None:
     _run(scenario, pcm, range(27420, 27440))
 
 
-def test_an_rtp_flood_is_dropped_unread_and_counted_and_a_normal_stream_never_is() -> None:
+@pytest.mark.parametrize(("rate", "burst"), [(MAX_RATE, BURST), (60.0, 50.0)],
+                         ids=["default cap", "configured cap"])
+def test_an_rtp_flood_is_dropped_unread_and_counted_and_a_normal_stream_never_is(
+        rate: float, burst: float) -> None:
     """The phone's own 50 packets a second for 5 s: nothing dropped. Then 3,000 packets at once
     from its RTP socket: at most the burst allowance and the cap's rate get through to the
-    call, the rest are dropped before parsing and counted; the call goes on."""
+    call, the rest are dropped before parsing and counted; the call goes on. The cap is the
+    endpoint's (``GATEWAY_INBOUND_MEDIA_RATE`` / ``_BURST``), the defaults or lower ones."""
     async def scenario(endpoint: SipEndpoint, metrics: Metrics, dialog: Playing) -> None:
         assert endpoint.local_addr is not None
         loop = asyncio.get_running_loop()
@@ -225,23 +231,24 @@ def test_an_rtp_flood_is_dropped_unread_and_counted_and_a_normal_stream_never_is
             assert transport is not None and remote is not None
             flood = RtpPacket(0, 1, 1, 0x1234, b"\xff" * 160).serialize()
             received, t0 = media.stats.received, loop.time()
-            for burst in range(1, 31):
+            for sent in range(1, 31):
                 # In bursts the kernel's receive buffer holds; each read before the next.
                 for _ in range(100):
                     transport.sendto(flood, remote)
-                await _until(lambda burst=burst: media.stats.received + media.stats.flooded
-                             >= received + 100 * burst)
+                await _until(lambda sent=sent: media.stats.received + media.stats.flooded
+                             >= received + 100 * sent)
             elapsed = loop.time() - t0
             through = media.stats.received - received
             dropped = metrics.registry.get_sample_value(
                 "gateway_inbound_media_dropped_total", {"transport": "sip"})
             print(f"\nRTP flood: {media.stats.flooded} dropped, {through} through in "
                   f"{elapsed:.2f} s of loop time")
-            assert dropped == media.stats.flooded >= 3000 - BURST - MAX_RATE * elapsed
-            assert through <= BURST + MAX_RATE * elapsed + 1
+            assert (media.rate.rate, media.rate.burst) == (rate, burst)
+            assert dropped == media.stats.flooded >= 3000 - burst - rate * elapsed
+            assert through <= burst + rate * elapsed + 1
             assert not dialog.calls[0].ended and endpoint.media
 
-    _run(scenario, _prompt(0.2), range(27440, 27460))
+    _run(scenario, _prompt(0.2), range(27440, 27460), inbound_rate=rate, inbound_burst=burst)
 
 
 def test_a_call_keeps_its_latest_digits_and_counts_them_all() -> None:
