@@ -134,6 +134,14 @@ MIN_CONFIDENCE: Final[float] = 0.1
 pass forced onto a phrase come out near 0.07 ("hello" -> "billing"); 0.1 rejects one of those
 for one in-menu phrase lost, and higher thresholds lose more phrases than they reject."""
 
+BAND_LIMITED_PRONS: Final[Mapping[str, tuple[str, ...]]] = {
+    "six": ("S IH K", "F IH K S", "TH IH K S", "F IH K", "TH IH K"),
+}
+"""Extra pronunciations of digit words for telephone audio (see "Digit strings" above): the
+/s/ of "six" is frication above 4 kHz, which G.711 cuts off, so what is left sounds to the 16
+kHz model like the weaker /f/ or /th/ (or nothing), and "six" was heard as "five", "three" or
+"two". These variants let the search match the band-limited sound to the word actually said."""
+
 _FRAME_RATE: Final[int] = 100  # PocketSphinx features: 10 ms frames (-frate 100)
 _FOLLOW: Final[float] = 0.9  # in the open pass, a phrase word is followed by its phrase's next
 _END: Final[float] = 0.15  # share of unigram mass given to ending a garbage sentence
@@ -384,6 +392,13 @@ class PocketSphinxRecognizer:
                     loglevel="FATAL")
         except (RuntimeError, ValueError) as exc:
             raise RecognizerUnavailable(f"PocketSphinx failed to load {model}: {exc}") from exc
+        try:
+            prons = dictionary()
+            for word, extra in BAND_LIMITED_PRONS.items():
+                for n, pron in enumerate(extra, start=len(prons[word]) + 1):
+                    self._decoder.add_word(f"{word}({n})", pron, False)
+        except (RuntimeError, ValueError) as exc:
+            raise RecognizerUnavailable(f"PocketSphinx rejected a pronunciation: {exc}") from exc
         self._bias = phrase_bias
         self._garbage_words = garbage_words
         self._compound = compound
