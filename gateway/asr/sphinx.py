@@ -136,11 +136,13 @@ for one in-menu phrase lost, and higher thresholds lose more phrases than they r
 
 BAND_LIMITED_PRONS: Final[Mapping[str, tuple[str, ...]]] = {
     "six": ("S IH K", "F IH K S", "TH IH K S", "F IH K", "TH IH K"),
+    "seven": ("F EH V AH N", "TH EH V AH N"),
 }
 """Extra pronunciations of digit words for telephone audio (see "Digit strings" above): the
-/s/ of "six" is frication above 4 kHz, which G.711 cuts off, so what is left sounds to the 16
-kHz model like the weaker /f/ or /th/ (or nothing), and "six" was heard as "five", "three" or
-"two". These variants let the search match the band-limited sound to the word actually said."""
+/s/ of "six" and "seven" is frication above 4 kHz, which G.711 cuts off, so what is left sounds
+to the 16 kHz model like the weaker /f/ or /th/ (or nothing), and "six" was heard as "five",
+"three" or "two". These variants let the search match the band-limited sound to the word
+actually said."""
 
 _FRAME_RATE: Final[int] = 100  # PocketSphinx features: 10 ms frames (-frate 100)
 _FOLLOW: Final[float] = 0.9  # in the open pass, a phrase word is followed by its phrase's next
