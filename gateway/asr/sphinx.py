@@ -50,12 +50,12 @@ mostly "six" heard as five, three or two (34 of 91 on the dev half): the /s/ of 
 "seven") lies above 4 kHz, where telephone audio has nothing and the 16 kHz model expects
 frication. :data:`BAND_LIMITED_PRONS` gives both words variants with /f/ or /th/ for the /s/
 (and "six" without its final /s/): dev six-digit strings 41.7 % -> 42.7 % exact with S IH K
-alone, 61.5 % with all the "six" variants, 66.7 % with "seven"'s too; in-menu and false
-accepts unchanged, digits-gather false accepts 1 -> 2 of 24 (held-out test half: 48.3 % ->
-57.5 %, see bench/RESULTS.md). What is left is mostly voice-specific: "nine" heard as "one"
-(13, nearly all one espeak-ng voice) and "four" as "five" (9, flite slt). Measured and not
-better: wider beams (-beam 1e-80, -wbeam 1e-60: 41/96, at 17x the CPU), noise floors 28 and 40 dB under the
-speech (39 and 45/96), folding the 0-4 kHz band into 4-8 kHz as a crude bandwidth extension
+alone, 61.5 % with all the "six" variants, 66.7 % with "seven"'s too; in-menu and false accepts
+unchanged, digits-gather false accepts 1 -> 2 of 24 (held-out test half: 48.3 % -> 57.5 %, see
+bench/RESULTS.md). What is left is mostly voice-specific: "nine" heard as "one" (13, nearly all
+one espeak-ng voice) and "four" as "five" (9, flite slt). Measured and not better: wider beams
+(-beam 1e-80, -wbeam 1e-60: 41/96, at 17x the CPU), noise floors 28 and 40 dB under the speech
+(39 and 45/96), folding the 0-4 kHz band into 4-8 kHz as a crude bandwidth extension
 (34-37/96), a stronger digit-to-digit weight in the open pass (worse), other acceptance rules
 (digit words heard by the open pass, lattice posteriors), and a lower ``DIGITS_SIMILARITY``
 (with "six" also as S IH K, 0.4 gave 49 % exact but 29 % of sentences accepted as digits,
