@@ -45,17 +45,36 @@ onto some phrase. Measured, best first:
 Near-miss single words ("building" for "billing", "agency" for "agent") are still accepted
 most of the time; ``bench/asr.py`` reports them in a row of their own.
 
-**Digit strings** are this model's weak spot over the telephone band: 41.7 % of the dev half's
-six-digit strings are recognised exactly (4.2 % of sentences accepted as digits). The grammar
-pass alone, with no rejection at all, gets only 46 % exact: its digit errors are mostly "six"
-heard as five, three or two (34 of 91; the /s/ of "six" lies above 4 kHz, where telephone
-audio has nothing and the 16 kHz model expects frication) and "nine" as "one". Measured and
-not better: wider beams (-beam 1e-80, -wbeam 1e-60: 41/96, at 17x the CPU), noise floors 28
-and 40 dB under the speech (39 and 45/96), folding the 0-4 kHz band into 4-8 kHz as a crude
-bandwidth extension (34-37/96), a stronger digit-to-digit weight in the open pass (worse), and
-other acceptance rules (digit words heard by the open pass, lattice posteriors): none passes
-the grammar pass's ceiling, so the figure needs a better acoustic model (an 8 kHz one), not
-tuning here. Keys remain the reliable way to enter an account number.
+**Digit strings** are this model's weak spot over the telephone band. Its digit errors were
+mostly "six" heard as five, three or two (34 of 91 on the dev half): the /s/ of "six" (and of
+"seven") lies above 4 kHz, where telephone audio has nothing and the 16 kHz model expects
+frication. :data:`BAND_LIMITED_PRONS` gives both words variants with /f/ or /th/ for the /s/
+(and "six" without its final /s/): dev six-digit strings 41.7 % -> 42.7 % exact with S IH K
+alone, 61.5 % with all the "six" variants, 66.7 % with "seven"'s too; in-menu and false accepts
+unchanged, digits-gather false accepts 1 -> 2 of 24 (held-out test half: 48.3 % -> 57.5 %, see
+bench/RESULTS.md). What is left is mostly voice-specific: "nine" heard as "one" (13, nearly all
+one espeak-ng voice) and "four" as "five" (9, flite slt). Measured and not better: wider beams
+(-beam 1e-80, -wbeam 1e-60: 41/96, at 17x the CPU), noise floors 28 and 40 dB under the speech
+(39 and 45/96), folding the 0-4 kHz band into 4-8 kHz as a crude bandwidth extension
+(34-37/96), a stronger digit-to-digit weight in the open pass (worse), other acceptance rules
+(digit words heard by the open pass, lattice posteriors), and a lower ``DIGITS_SIMILARITY``
+(with "six" also as S IH K, 0.4 gave 49 % exact but 29 % of sentences accepted as digits,
+against 43 % / 4 % at 0.5). Keys remain the reliable way to enter an account number.
+
+**Also measured on the dev half and not kept** (in-menu / false accepts / six-digit exact,
+against 90.4 % / 2.8 % / 41.7 % before the digit variants): accepting the grammar pass's branch
+when the open pass heard one of that branch's phrases among garbage words (91.7 % / 16.7 %:
+out-of-menu sentences contain menu words, "I don't know" holds "no"); accepting the grammar
+pass's phrase when its acoustic score per frame is within a threshold of the open pass's (a
+likelihood ratio; -0.5: 91.3 % / 4.2 %, -0.2: 91.3 % / 4.9 %, 0: 92.0 % / 10.4 %); the open
+pass's N-best list (its distinct entries are the same words in other segmentations);
+``-lw 9`` (91.0 % / 4.2 % / 40.6 %); ``-wip 0.2`` (90.4 % / 2.8 % / 38.5 %); ``-fillprob
+1e-4`` (89.7 % / 2.8 % / 42.7 %, digits-gather false accepts 1 -> 2 of 24); every combination
+of the words' dictionary pronunciations for a compound ("say that again": DH AH T, AH G EY N;
+chosen 12 times, no result changed); VTLN ``-warp_type inverse_linear -warp_params`` 0.94
+(90.7 % / 3.5 %) and, with the digit variants, 1.06 (91.3 % / 2.8 % / 60.4 %); and with the
+digit variants a smaller garbage vocabulary, 1,000 words (90.7 % / 2.8 % / 63.5 %, digits-gather
+false accepts 3 of 24) or 500 (91.3 % / 2.8 % / 60.4 %, 3 of 24).
 
 **Cost.** About 0.1 s of CPU per second of audio for both passes together (the open pass is
 ~85 % of it), so one core holds ~10 callers listening at once (``bench/asr.py`` measures it).
@@ -133,6 +152,16 @@ MIN_CONFIDENCE: Final[float] = 0.1
 (``bench/asr.py --sweep``): a real phrase's lattice posterior is ~1.0, while sentences the open
 pass forced onto a phrase come out near 0.07 ("hello" -> "billing"); 0.1 rejects one of those
 for one in-menu phrase lost, and higher thresholds lose more phrases than they reject."""
+
+BAND_LIMITED_PRONS: Final[Mapping[str, tuple[str, ...]]] = {
+    "six": ("S IH K", "F IH K S", "TH IH K S", "F IH K", "TH IH K"),
+    "seven": ("F EH V AH N", "TH EH V AH N"),
+}
+"""Extra pronunciations of digit words for telephone audio (see "Digit strings" above): the
+/s/ of "six" and "seven" is frication above 4 kHz, which G.711 cuts off, so what is left sounds
+to the 16 kHz model like the weaker /f/ or /th/ (or nothing), and "six" was heard as "five",
+"three" or "two". These variants let the search match the band-limited sound to the word
+actually said."""
 
 _FRAME_RATE: Final[int] = 100  # PocketSphinx features: 10 ms frames (-frate 100)
 _FOLLOW: Final[float] = 0.9  # in the open pass, a phrase word is followed by its phrase's next
@@ -384,6 +413,13 @@ class PocketSphinxRecognizer:
                     loglevel="FATAL")
         except (RuntimeError, ValueError) as exc:
             raise RecognizerUnavailable(f"PocketSphinx failed to load {model}: {exc}") from exc
+        try:
+            prons = dictionary()
+            for word, extra in BAND_LIMITED_PRONS.items():
+                for n, pron in enumerate(extra, start=len(prons[word]) + 1):
+                    self._decoder.add_word(f"{word}({n})", pron, False)
+        except (RuntimeError, ValueError) as exc:
+            raise RecognizerUnavailable(f"PocketSphinx rejected a pronunciation: {exc}") from exc
         self._bias = phrase_bias
         self._garbage_words = garbage_words
         self._compound = compound
