@@ -142,12 +142,15 @@ async def test_a_transfer_is_a_live_call_update_and_twilio_ends_the_stream(
     assert _twiml(update.form) == [dial]
     # Delivered, and the stream left for Twilio to end (closing it from here would make Twilio
     # request after-stream, which another replica could answer while the update lands).
-    await call.wait_for(lambda: _metric(gateway, "gateway_twilio_call_updates_total",
-                                        result="delivered") == delivered + 1, timeout=10)
     server_call = gateway.gateway.registry.get(sid)
     assert server_call is not None
     transport = server_call.transport
-    assert transport.handed_off and transport.connected  # type: ignore[attr-defined]
+    # The gateway runs on its own thread: the metric counts the delivery a moment before the
+    # transport records the hand-off, so wait for both.
+    await call.wait_for(lambda: _metric(gateway, "gateway_twilio_call_updates_total",
+                                        result="delivered") == delivered + 1
+                        and transport.handed_off, timeout=10)  # type: ignore[attr-defined]
+    assert transport.connected  # type: ignore[attr-defined]
     assert not call.closed.is_set()
     await _twilio_ends_the_stream(call)
     await call.wait_for(lambda: sid not in gateway.gateway.registry, timeout=10)
