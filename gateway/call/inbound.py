@@ -7,8 +7,8 @@ whatever rate it manages, taking the event loop from every other call. :class:`I
 token bucket over the adapter's own clock readings: it lets through :data:`MAX_RATE` messages a
 second on average and bursts of up to :data:`BURST` (a network stall delivers its backlog at
 once: three seconds of it pass), and says which of the rest to drop. Both are defaults:
-``GATEWAY_INBOUND_MEDIA_RATE`` and ``GATEWAY_INBOUND_MEDIA_BURST`` set them per gateway. The adapter drops them
-unparsed where it can tell media apart cheaply, and counts them
+``GATEWAY_INBOUND_MEDIA_RATE`` and ``GATEWAY_INBOUND_MEDIA_BURST`` set them per gateway. The
+adapter drops them unparsed where it can tell media apart cheaply, and counts them
 (``gateway_inbound_media_dropped_total{transport}``). A normal stream never comes near the cap.
 Sans-I/O: one float comparison per message, no timer.
 """
