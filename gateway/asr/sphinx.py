@@ -84,7 +84,10 @@ work (its second and lattice passes) at the end anyway. The gateway decodes at e
 turn (:mod:`gateway.ivr.listening`), so a turn costs one decode per pause that got one (the
 call's trace counts them). PocketSphinx holds the GIL for the
 whole of a decode (a 0.3 s decode blocked another thread for 0.19 s), hence the worker
-processes of :mod:`gateway.asr.pool`.
+processes of :mod:`gateway.asr.pool`. A cheaper open pass, ``-fwdflat no -maxwpf 20``, cost
+30-40 % less CPU at no loss on the dev half but lost 4.6 points in-menu on the held-out half
+(bench/RESULTS.md), so the decoder keeps PocketSphinx's default search; ``-bestpath no`` would
+leave every word's posterior at 1.0 (no lattice), and the confidence floor with nothing to do.
 """
 
 from __future__ import annotations
