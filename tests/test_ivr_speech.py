@@ -20,10 +20,10 @@ from clocks import VirtualClock
 from gateway.asr.base import Encoding, MatchStatus, RecognitionResult
 from gateway.asr.grammar import SpeechGrammar
 from gateway.asr.pool import SpeechSession
-from gateway.call import Call, CallOutcome, PlayoutPolicy, SpeechPaused, SpeechStarted
+from gateway.call import Call, SpeechPaused, SpeechStarted
 from gateway.errors import RecognizerError
 from gateway.ivr.cache import PromptCache
-from gateway.ivr.cases import _SilentSpeaker
+from gateway.ivr.cases import InstantTransport, SilentSpeaker
 from gateway.ivr.runner import IvrRunner, RunnerContext
 from gateway.ivr.script import Script, parse_script
 from gateway.metrics import Metrics
@@ -69,30 +69,8 @@ nodes:
 """
 MENU = "Say billing or agent, or press 1 or 2."
 
-INSTANT = PlayoutPolicy(lead_s=3600.0, max_frames_per_send=1000, far_end_marks=True,
-                        buffer_frames=10**6)
-
-
-class Transport:
-    codec = "pcmu"
-    playout = INSTANT
-
-    def __init__(self) -> None:
-        self.call: Call | None = None
-        self.outcome: CallOutcome | None = None
-
-    async def send_frames(self, frames: list[bytes]) -> None:
-        pass
-
-    async def send_mark(self, name: str) -> None:
-        assert self.call is not None
-        asyncio.get_running_loop().call_soon(self.call.playback_done, name)
-
-    async def clear(self) -> None:
-        pass
-
-    async def end(self, outcome: CallOutcome) -> None:
-        self.outcome = outcome
+class Transport(InstantTransport):
+    """The script tester's transport; an abort is a test failure."""
 
     def abort(self, reason: str) -> None:
         raise AssertionError(reason)
@@ -137,7 +115,7 @@ class Harness:
         self.metrics = Metrics()
         self.context = RunnerContext(
             script=script, cache=PromptCache(None), model_fingerprint="test",
-            voice_identity="test", speaker=_SilentSpeaker(), audio="silence", clock=self.clock,
+            voice_identity="test", speaker=SilentSpeaker(), audio="silence", clock=self.clock,
             recognizer=self.recognizer, metrics=self.metrics)
         self.runner = IvrRunner(self.call, self.context, {"call_id": self.call.call_id})
         self.task = asyncio.create_task(self.runner.run())

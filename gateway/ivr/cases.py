@@ -81,7 +81,16 @@ from gateway.ivr.trace import CallTrace
 from gateway.speech import Speaker
 from gateway.speech import Voice as SpeechVoice
 
-__all__ = ["CaseFile", "CaseResult", "load_cases", "run_case", "run_cases"]
+__all__ = [
+    "INSTANT",
+    "CaseFile",
+    "CaseResult",
+    "InstantTransport",
+    "SilentSpeaker",
+    "load_cases",
+    "run_case",
+    "run_cases",
+]
 
 #: Virtual seconds a case may last before it counts as stuck (a loop with no way out).
 MAX_CALL_S = 3600.0
@@ -239,14 +248,17 @@ def load_cases(path: str | Path, script: IvrScript) -> CaseFile:
 
 
 #: The far end of a tested call plays everything at once and echoes every mark.
-_INSTANT = PlayoutPolicy(lead_s=3600.0, max_frames_per_send=1000, far_end_marks=True,
+INSTANT = PlayoutPolicy(lead_s=3600.0, max_frames_per_send=1000, far_end_marks=True,
                          buffer_frames=10**6)
 _SILENCE = np.zeros(160, dtype=np.int16)
 
 
-class _Transport:
+class InstantTransport:
+    """The far end of a tested call: plays everything at once, echoes every mark, keeps the
+    outcome."""
+
     codec: Codec = "pcmu"
-    playout = _INSTANT
+    playout = INSTANT
 
     def __init__(self) -> None:
         self.call: Call | None = None
@@ -269,14 +281,14 @@ class _Transport:
         raise RuntimeError(f"the tested call was aborted: {reason}")
 
 
-class _SilentSpeaker(Speaker):
+class SilentSpeaker(Speaker):
     """Every sentence is 20 ms of silence: the flow is under test, not the voice."""
 
     def __init__(self, voice: SpeechVoice | None = None) -> None:  # no speech service
         self.voice = voice or SpeechVoice()
 
     def with_voice(self, voice: SpeechVoice) -> Speaker:
-        return _SilentSpeaker(voice)
+        return SilentSpeaker(voice)
 
     def say(self, call: Call, text: str, *, turn_started_at: float | None = None,
             capture: bool = False, voice: SpeechVoice | None = None,
@@ -388,7 +400,7 @@ async def run_case(script: IvrScript, case: Case, position: tuple[int, int] = (1
     """Run one case through the real runner on a virtual clock; compare what happened."""
     wall = case.at.timestamp() if case.at is not None else 1_750_000_000.0
     clock = VirtualClock(wall_start=wall)
-    transport = _Transport()
+    transport = InstantTransport()
     call = Call("CT" + "0" * 32, transport, clock, transport_name="test")
     transport.call = call
     call.start()
@@ -397,7 +409,7 @@ async def run_case(script: IvrScript, case: Case, position: tuple[int, int] = (1
     heard = _HeardAsWritten()
     context = RunnerContext(
         script=script, cache=PromptCache(None), model_fingerprint=fingerprint,
-        voice_identity=_identity(script), speaker=_SilentSpeaker(), audio="silence",
+        voice_identity=_identity(script), speaker=SilentSpeaker(), audio="silence",
         clock=clock, http=http,
         sounds={node.play: _SILENCE for node in script.nodes.values() if node.play is not None},
         recognizer=heard,
