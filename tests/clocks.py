@@ -6,7 +6,8 @@
 - :class:`LoopClock`: the running event loop's time; with :class:`virtual_time.VirtualTimeLoop`
   it makes a whole gateway, its peers and the test share one virtual time line.
 
-Both implement :class:`gateway.clock.Clock`.
+Both implement :class:`gateway.clock.Clock`. :func:`until` polls a condition on loop time
+(virtual on a virtual loop), bounded in real time, for state with no event to wait on.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TypeVar
 
 from gateway.clock import VirtualClock, wait_for
 
-__all__ = ["LoopClock", "VirtualClock"]
+__all__ = ["LoopClock", "VirtualClock", "until"]
 
 T = TypeVar("T")
 
@@ -49,3 +50,17 @@ class LoopClock:
 
     def call_later(self, seconds: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
         return self._loop.call_later(max(0.0, seconds), callback)
+
+
+async def until(predicate: Callable[[], T], timeout: float = 20.0, what: str = "condition",
+                every: float = 0.02) -> T:
+    """``predicate()`` once it is truthy, polled every ``every`` s of loop time (virtual on a
+    virtual loop); gives up after ``timeout`` s of real time, a bound that a busy machine
+    never reaches, not a wait."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(every)
+    raise AssertionError(f"{what}: not met in {timeout:g} s")

@@ -19,7 +19,6 @@ import logging
 import re
 import shutil
 import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +26,10 @@ from typing import Any
 
 import httpx
 import pytest
+from clocks import until
 from conftest import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
 from gateway_process import GatewayProcess
+from sip_peers import wait_until
 from twilio_client import FakeTwilioCall
 
 from gateway.call import HangUp
@@ -118,15 +119,6 @@ def rig(tiny_model_dir: Path, demo_cache_dir: Path,
 # --- helpers ----------------------------------------------------------------------------------
 
 
-async def _until(predicate: Any, timeout: float = 60, what: str = "condition") -> Any:
-    """Poll ``predicate`` every 20 ms of loop time; give up after ``timeout`` s of real time."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{what}: not met in {timeout} s")
 
 
 async def _reloaded(live: VirtualServer, attempts: int) -> None:
@@ -135,7 +127,7 @@ async def _reloaded(live: VirtualServer, attempts: int) -> None:
     assert reloader is not None
     waiter = asyncio.ensure_future(reloader.wait(attempts=attempts))
     try:
-        await _until(waiter.done, 120, f"reload attempt {attempts}")
+        await until(waiter.done, 120, f"reload attempt {attempts}")
     finally:
         waiter.cancel()
 
@@ -232,15 +224,15 @@ async def test_each_number_reaches_its_lines_script_over_twilio_and_sip(
         phone = SipCaller(caller_id="tester", clock=asyncio.get_running_loop().time)
         try:
             await phone.call(endpoint.local_addr, user=user)
-            server = await _until(lambda b=before: next(
-                (c for k, c in live.gateway.registry.items() if (k, c) not in b), None))
+            server = await until(lambda b=before: next(
+                (c for k, c in live.gateway.registry.items() if (k, c) not in b), None), 60)
             assert server.line == line
-            await _until(lambda s=server, t=text: any(t in u.text and u.first_frame_at
-                                                      for u in s.utterances), what=text)
+            await until(lambda s=server, t=text: any(t in u.text and u.first_frame_at
+                                                      for u in s.utterances), 60, text)
             await phone.hangup()
         finally:
             await phone.aclose()
-    await _until(lambda: not live.gateway.registry, what="every call gone")
+    await until(lambda: not live.gateway.registry, 60, "every call gone")
     for transport, line, count in (("twilio", "outages", 1), ("twilio", "customer-service", 1),
                                    ("twilio", "default", 1), ("sip", "outages", 1),
                                    ("sip", "customer-service", 1)):
@@ -359,13 +351,13 @@ def _metric(process: GatewayProcess, name: str) -> float:
 
 
 def _wait_metric(process: GatewayProcess, name: str, value: float, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _metric(process, name) >= value:
-            return
+    """Until another process's /metrics shows ``name`` >= ``value`` (polled: nothing to wait
+    on in this process), failing at once with its log if it exits."""
+    def reached() -> bool:
         assert process.proc is not None and process.proc.poll() is None, process.log()
-        time.sleep(0.1)  # polling another process's /metrics: nothing to wait on in-process
-    raise AssertionError(f"{name} never reached {value}:\n{process.log()}")
+        return _metric(process, name) >= value
+
+    wait_until(reached, timeout, f"{name} >= {value:g}")
 
 
 @pytest.mark.slow  # a signal to a gateway process, on real time

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from clocks import until
 from conftest import LiveServer, VirtualServer
 from sip_peers import Baresip, run_sipp
 from sip_peers import wait_until as _wait
@@ -320,7 +321,7 @@ class LoopSipCaller:
             await asyncio.sleep(0.05)  # the caller's finger between keys
 
     async def ended(self) -> None:
-        await _await(lambda: self.phone.remote_hangup_at is not None, 40)
+        await until(lambda: self.phone.remote_hangup_at is not None, 40)
 
     async def close(self) -> None:
         await self.phone.aclose()
@@ -359,7 +360,7 @@ async def _scenario(live: LiveServer | VirtualServer,
     before = {call_id for call_id, _ in registry.items()}
     await caller.start()
     try:
-        call = await _await(
+        call = await until(
             lambda: next((c for k, c in registry.items() if k not in before), None)
         )
         for step, arg in SCENARIOS[name]:
@@ -367,7 +368,7 @@ async def _scenario(live: LiveServer | VirtualServer,
                 # Heard = its first frame went out (SIP plays in real time; a key press while a
                 # prompt plays barges in, exactly as a caller would).
                 try:
-                    await _await(
+                    await until(
                         lambda arg=arg: any(
                             arg in u.text and u.first_frame_at for u in call.utterances
                         ),
@@ -386,16 +387,6 @@ async def _scenario(live: LiveServer | VirtualServer,
         await caller.close()
 
 
-async def _await(predicate: Any, timeout: float = 20) -> Any:
-    """Poll ``predicate`` every 20 ms of loop time until truthy; give up after ``timeout`` s of
-    real time."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met")
 
 
 def test_loadsim_drives_sip_callers(sip_gateway: tuple[LiveServer, Any]) -> None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 import pytest
 from clocks import LoopClock
+from clocks import until as _poll
 from conftest import virtual_loop
 
 from gateway.audio.g711 import ulaw_encode
@@ -91,15 +91,11 @@ def _run(scenario: Scenario, pcm: np.ndarray, ports: range, **options: Any) -> N
         loop.run_until_complete(main())
 
 
-async def _until(predicate: Callable[[], Any], timeout_s: float = 20.0) -> Any:
-    """Poll ``predicate`` each 10 ms of loop time; give up after ``timeout_s`` of real time."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met")
+
+
+def until(predicate: Callable[[], Any], timeout: float = 20.0) -> Awaitable[Any]:
+    """:func:`clocks.until` every 10 ms of loop time (the RTP tests count frames)."""
+    return _poll(predicate, timeout, every=0.01)
 
 
 def _capture(phone: SipCaller) -> list[tuple[float, RtpPacket]]:
@@ -140,8 +136,8 @@ def test_on_hold_nothing_is_lost_nor_played_and_rtp_time_runs_on() -> None:
         async with SipCaller(clock=loop.time, t1=0.1) as phone:
             packets = _capture(phone)
             await phone.call(endpoint.local_addr, user="ivr")
-            prompt = await _until(lambda: dialog.utterances and dialog.utterances[0])
-            await _until(prompt.started.is_set)
+            prompt = await until(lambda: dialog.utterances and dialog.utterances[0])
+            await until(prompt.started.is_set)
             await asyncio.sleep(1.0)  # the caller hears a second of it
             assert await phone.hold() == 200
             media = _media(endpoint)
@@ -155,7 +151,7 @@ def test_on_hold_nothing_is_lost_nor_played_and_rtp_time_runs_on() -> None:
             assert await phone.resume() == 200
             await asyncio.wait_for(prompt.played.wait(), 10)
             assert prompt.frames_sent == len(frames) and not prompt.interrupted
-            await _until(lambda: _heard_all(packets, frames))  # the last packet's flight
+            await until(lambda: _heard_all(packets, frames))  # the last packet's flight
 
         payloads = [p.payload for _, p in packets]
         start = payloads.index(frames[0])
@@ -192,7 +188,7 @@ def test_a_whole_prompt_is_fed_to_the_wire_as_it_plays_not_queued() -> None:
         async with SipCaller(clock=loop.time, t1=0.1) as phone:
             packets = _capture(phone)
             await phone.call(endpoint.local_addr, user="ivr")
-            prompt = await _until(lambda: dialog.utterances and dialog.utterances[0])
+            prompt = await until(lambda: dialog.utterances and dialog.utterances[0])
             call = dialog.calls[0]
             most = 0
             while not prompt.played.is_set():
@@ -201,7 +197,7 @@ def test_a_whole_prompt_is_fed_to_the_wire_as_it_plays_not_queued() -> None:
             print(f"\n10 s prompt over RTP: at most {most} frames queued "
                   f"(bound {RTP_PLAYOUT.buffer_frames})")
             assert 0 < most <= RTP_PLAYOUT.buffer_frames
-            await _until(lambda: _heard_all(packets, frames))  # the last packet's flight
+            await until(lambda: _heard_all(packets, frames))  # the last packet's flight
         payloads = [p.payload for _, p in packets]
         start = payloads.index(frames[0])
         assert payloads[start:start + len(frames)] == frames
@@ -224,7 +220,7 @@ def test_an_rtp_flood_is_dropped_unread_and_counted_and_a_normal_stream_never_is
         loop = asyncio.get_running_loop()
         async with SipCaller(clock=loop.time, t1=0.1) as phone:
             await phone.call(endpoint.local_addr, user="ivr")
-            media = await _until(lambda: endpoint.media and _media(endpoint))
+            media = await until(lambda: endpoint.media and _media(endpoint))
             await asyncio.sleep(5.0)
             assert media.stats.received >= 240 and media.stats.flooded == 0
             transport, remote = phone._rtp_transport, phone.remote_rtp
@@ -235,7 +231,7 @@ def test_an_rtp_flood_is_dropped_unread_and_counted_and_a_normal_stream_never_is
                 # In bursts the kernel's receive buffer holds; each read before the next.
                 for _ in range(100):
                     transport.sendto(flood, remote)
-                await _until(lambda sent=sent: media.stats.received + media.stats.flooded
+                await until(lambda sent=sent: media.stats.received + media.stats.flooded
                              >= received + 100 * sent)
             elapsed = loop.time() - t0
             through = media.stats.received - received
@@ -261,10 +257,10 @@ def test_a_call_keeps_its_latest_digits_and_counts_them_all() -> None:
         loop = asyncio.get_running_loop()
         async with SipCaller(clock=loop.time, t1=0.1) as phone:
             await phone.call(endpoint.local_addr, user="ivr")
-            media = await _until(lambda: endpoint.media and _media(endpoint))
+            media = await until(lambda: endpoint.media and _media(endpoint))
             for key in keys:
                 await phone.send_dtmf(key, duration_ms=60)
-            await _until(lambda: media.stats.digits_received == len(keys))
+            await until(lambda: media.stats.digits_received == len(keys))
             assert list(media.stats.digits) == list(keys[-MAX_DIGITS:])
 
     _run(scenario, _prompt(0.2), range(27460, 27480))

@@ -19,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from clocks import until
 from conftest import AUTH_TOKEN, VirtualServer, _built_once
 
 from gateway.call import Call, HangUp, TransferTo
@@ -63,15 +63,6 @@ def ivr(demo_virtual: tuple[VirtualServer, list[Any]]) -> VirtualServer:
     return live
 
 
-async def _await(predicate: Any, timeout: float = 30) -> Any:
-    """Poll every 20 ms of loop time until truthy; give up after ``timeout`` s of real time."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met")
 
 
 class TwilioCaller:
@@ -94,7 +85,7 @@ class TwilioCaller:
             await asyncio.sleep(0.05)
 
     async def ended(self) -> None:
-        await _await(lambda: self.fake.closed.is_set())
+        await until(lambda: self.fake.closed.is_set(), 30)
 
     async def close(self) -> None:
         await self.fake.close()
@@ -121,7 +112,7 @@ class SipCaller:
             await asyncio.sleep(0.05)
 
     async def ended(self) -> None:
-        await _await(lambda: self.phone.remote_hangup_at is not None)
+        await until(lambda: self.phone.remote_hangup_at is not None, 30)
 
     async def close(self) -> None:
         await self.phone.aclose()
@@ -236,8 +227,8 @@ async def _scenario(live: VirtualServer, said: dict[str, bytes], name: str,
     caller = TwilioCaller(live, n) if transport == "twilio" else SipCaller(live, n)
     await caller.start()
     try:
-        call: Call = await _await(
-            lambda: next((c for k, c in registry.items() if k not in before), None))
+        call: Call = await until(
+            lambda: next((c for k, c in registry.items() if k not in before), None), 30)
         for step, arg in SCENARIOS[name]:
             if step == "say":
                 caller.say(said[arg])
@@ -258,13 +249,13 @@ async def _scenario(live: VirtualServer, said: dict[str, bytes], name: str,
                     return False
 
                 try:
-                    await _await(reached)
+                    await until(reached, 30)
                 except AssertionError:
                     spoken = [(u.text[:50], u.interrupted) for u in call.utterances]
                     raise AssertionError(f"{step} {arg!r} never happened; said {spoken}") from None
     finally:
         await caller.close()
-    await _await(lambda: call.call_id not in registry)
+    await until(lambda: call.call_id not in registry, 30)
     return call
 
 
