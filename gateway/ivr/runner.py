@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -388,20 +388,9 @@ class IvrRunner:
         :class:`PlaybackDone` event) or fails.
         """
         if utterance is not None:
-            getter = asyncio.ensure_future(self.call.events.get())
-            played = asyncio.ensure_future(utterance.played.wait())
-            generated = asyncio.ensure_future(utterance.failed.wait())
-            waiters = {getter, played, generated}
-            try:
-                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                # Also when this task is cancelled (the call ended): no waiter may outlive it.
-                for future in waiters:
-                    if not future.done():
-                        future.cancel()
-            if getter not in done:
+            event = await self._event_unless(utterance.played.wait(), utterance.failed.wait())
+            if event is None:
                 return None
-            event = getter.result()
             if isinstance(event, Hangup) or self.call.ended:
                 raise _CallEnded()
             return None if isinstance(event, PlaybackDone) else event
@@ -416,7 +405,7 @@ class IvrRunner:
             if got is None and self.call.on_hold and timeout is not None:
                 # A caller who put the IVR on hold is away, not silent: their time to answer
                 # stands still, and they get all of it again once back.
-                got = await self._event_or_resume()
+                got = await self._event_unless(self.call.wait_resumed())
                 if got is None:
                     deadline = self.clock.now() + timeout
                     continue
@@ -425,14 +414,15 @@ class IvrRunner:
             if not isinstance(got, PlaybackDone):
                 return got
 
-    async def _event_or_resume(self) -> CallEvent | None:
-        """The call's next event, or None once the caller takes the call off hold."""
+    async def _event_unless(self, *wake: Awaitable[object]) -> CallEvent | None:
+        """The call's next event, or None when one of ``wake`` completes first."""
         getter = asyncio.ensure_future(self.call.events.get())
-        resumed = asyncio.ensure_future(self.call.wait_resumed())
+        waiters = {getter, *(asyncio.ensure_future(w) for w in wake)}
         try:
-            await asyncio.wait({getter, resumed}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for future in (getter, resumed):
+            # Also when this task is cancelled (the call ended): no waiter may outlive it.
+            for future in waiters:
                 if not future.done():
                     future.cancel()
         if getter.done() and not getter.cancelled():
@@ -559,7 +549,7 @@ class IvrRunner:
                     if not self.call.on_hold:
                         return _Answer("")
                     # On hold: no-input time stands still until the caller is back (as for keys).
-                    event, reached = await self._event_or_resume(), None
+                    event, reached = await self._event_unless(self.call.wait_resumed()), None
                     if event is None:
                         no_input_at = self.clock.now() + timeout
                         continue
