@@ -260,15 +260,15 @@ def _recognizer(settings: Settings, plan: LinePlan) -> RecognizerPool | None:
 
 async def _start_recognizer(gateway: Gateway) -> None:
     """Start the recogniser's workers (~2 s each) while the engine loads, when a script at
-    start-up listens. A failure is logged and leaves speech gathers on keys, never the gateway
-    down (the version builder tries again and says so)."""
+    start-up listens. A recogniser that cannot start is the version builder's to report: it
+    tries again when it prepares the first version, and logs why speech gathers take keys."""
     pool, plan = gateway.recognizer, gateway.plan
     if pool is None or plan is None or not _speech_gathers(plan):
         return
     try:
         await pool.start()
-    except GatewayError as exc:
-        log.error("speech recognition is unavailable (%s): speech gathers take keys only", exc)
+    except GatewayError:
+        pass
     except Exception:
         log.exception("starting the speech recogniser failed: speech gathers take keys only")
 
