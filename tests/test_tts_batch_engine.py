@@ -27,6 +27,7 @@ from gateway.tts.batched import (
 )
 from gateway.tts.engine import SAMPLES_PER_FRAME, Sampling, SpeechRequest
 from gateway.tts.qwen import QwenModel
+from gateway.tts.tiny import TINY_MAX_NEW_TOKENS
 
 TEXTS = ["Press one for billing.", "Your balance is ten dollars.", "Please hold.",
          "Goodbye, and thanks for calling us today.", "A", "Seven seven seven.",
@@ -268,6 +269,24 @@ def test_streamed_audio_equals_one_decode_of_the_rows_codes(
     streamed = np.concatenate(solo)
     error = streamed - whole
     assert np.max(np.abs(error)) <= 1e-4 * max(1.0, float(np.abs(whole).max()))
+
+
+def test_a_row_that_names_no_length_ends_at_the_checkpoints_max_new_tokens(
+    engine: BatchedQwenEngine, shared: QwenModel
+) -> None:
+    """As the slot engine (tests/test_tts_engine.py): the tiny checkpoint's ``max_new_tokens``
+    (64) bounds a row whose request names no length; a named length is kept."""
+    long = "Thank you for calling Acme Energy, we are glad to help you today. " * 3
+    assert shared.max_new_tokens == TINY_MAX_NEW_TOKENS
+    unnamed = engine.open(SpeechRequest(text=long, seed=1))
+    named = engine.open(SpeechRequest(text=long, seed=1, max_frames=TINY_MAX_NEW_TOKENS + 6))
+    try:
+        assert unnamed.max_frames == TINY_MAX_NEW_TOKENS
+        assert named.max_frames == TINY_MAX_NEW_TOKENS + 6
+    finally:
+        engine.close(named)
+        engine.close(unnamed)
+    assert not engine.rows
 
 
 def test_a_prompt_too_long_for_its_row_is_a_clear_error(shared: QwenModel) -> None:

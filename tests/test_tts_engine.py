@@ -22,6 +22,7 @@ from gateway.tts.qwen import (
     parse_chunk_schedule,
 )
 from gateway.tts.service import SpeechService
+from gateway.tts.tiny import TINY_MAX_NEW_TOKENS
 
 
 def test_chunks_follow_the_schedule_then_repeat_its_last_entry(
@@ -97,6 +98,28 @@ def test_max_frames_defaults_from_text_length(tiny_engine: QwenEngine) -> None:
     total = sum(len(c) for c in tiny_engine.stream(SpeechRequest(text=text, seed=2)))
     assert total <= default_max_frames(text) * SAMPLES_PER_FRAME
     assert default_max_frames("a" * 100) > default_max_frames("a")
+
+
+def test_the_checkpoints_max_new_tokens_bounds_a_request_that_names_no_length(
+    tiny_engine: QwenEngine,
+) -> None:
+    """The tiny checkpoint's generation_config.json says ``max_new_tokens: 64`` (it never
+    samples EOS): a request that names no length stops there, as qwen-tts's own ``generate``
+    would, however long its text; one that names its length gets it."""
+    long = "Thank you for calling Acme Energy, we are glad to help you today. " * 3
+    assert tiny_engine.shared.max_new_tokens == TINY_MAX_NEW_TOKENS
+    assert default_max_frames(long) > 2 * TINY_MAX_NEW_TOKENS
+    assert tiny_engine.shared.default_frames(long) == TINY_MAX_NEW_TOKENS
+    assert tiny_engine.shared.default_frames("Hi.") == default_max_frames("Hi.")
+
+    def frames(request: SpeechRequest) -> int:
+        for _ in tiny_engine.stream(request):
+            pass
+        return int(torch.cat(tiny_engine.last_codes).shape[0])
+
+    assert frames(SpeechRequest(text=long, seed=4)) == TINY_MAX_NEW_TOKENS
+    named = TINY_MAX_NEW_TOKENS + 6
+    assert frames(SpeechRequest(text=long, seed=4, max_frames=named, min_frames=named)) == named
 
 
 def test_unknown_speaker_or_language_is_a_clear_error(tiny_engine: QwenEngine) -> None:

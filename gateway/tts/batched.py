@@ -67,7 +67,6 @@ from gateway.tts.qwen import (
     OverSharedModel,
     QwenModel,
     _quiet_stdout,
-    default_max_frames,
     parse_chunk_schedule,
 )
 
@@ -458,7 +457,7 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
                 f"prompt of {prompt_len} tokens leaves no room in a {self.max_seq_len}-position "
                 "row (GATEWAY_MAX_SEQ_LEN)"
             )
-        max_frames = min(request.max_frames or default_max_frames(request.text), room)
+        max_frames = min(request.max_frames or self.shared.default_frames(request.text), room)
         row = BatchRow(
             request=request, sampling=sampling, seed=seed, max_frames=max_frames,
             # EOS is suppressed for the first frames (2 upstream; min_frames forces a length).

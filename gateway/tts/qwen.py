@@ -166,7 +166,20 @@ class QwenModel:
         )
         self.model_type = str(inner.tts_model_type)
         self.model_size = str(inner.tts_model_size)
+        # qwen-tts reads the checkpoint's generation_config.json into generate_config; its
+        # max_new_tokens bounds a generation that names no length (8192 in the published
+        # checkpoints: no bound in practice; 64 in the tiny one, which never samples EOS).
+        generation = getattr(inner, "generate_config", None) or {}
+        budget = generation.get("max_new_tokens")
+        self.max_new_tokens: int | None = int(budget) if budget else None
         self.prefill_lock = threading.Lock()
+
+    def default_frames(self, text: str) -> int:
+        """Codec frames a request for ``text`` may take when it names no ``max_frames``:
+        :func:`default_max_frames`, within the checkpoint's ``max_new_tokens`` (as qwen-tts's
+        own ``generate`` bounds it)."""
+        frames = default_max_frames(text)
+        return frames if self.max_new_tokens is None else min(frames, self.max_new_tokens)
 
     @property
     def on_cuda(self) -> bool:
@@ -182,7 +195,8 @@ class QwenModel:
     def fingerprint(self) -> str:
         """Model id and revision: the hub commit when known, else a digest of the local files.
 
-        A local checkpoint is identified by its config and the first 16 MB of its weights plus
+        A local checkpoint is identified by its config, its generation defaults (their
+        ``max_new_tokens`` bounds a prompt's length) and the first 16 MB of its weights plus
         their size (hashing gigabytes at start-up would cost seconds); that changes whenever
         the weights do.
         """
@@ -193,7 +207,8 @@ class QwenModel:
         if not root.is_dir():
             return f"{self.model_id}@{commit or 'unknown'}"
         digest = hashlib.sha256()
-        for name in ("config.json", "model.safetensors", "speech_tokenizer/model.safetensors"):
+        for name in ("config.json", "generation_config.json", "model.safetensors",
+                     "speech_tokenizer/model.safetensors"):
             path = root / name
             if path.is_file():
                 digest.update(name.encode())
@@ -354,7 +369,7 @@ class QwenEngine(OverSharedModel, Engine):
                 torch.manual_seed(request.seed)
             # 0.6B models ignore instruct (faster-qwen3-tts drops it for "0b6" too).
             instruct = request.instruct if self.shared.model_size != "0b6" else None
-            max_frames = request.max_frames or default_max_frames(request.text)
+            max_frames = request.max_frames or self.shared.default_frames(request.text)
             prefill = self._prefill(request, instruct)
             ref_codes = prefill[-1]
             codes = self._generate_codes(request, prefill, max_frames, should_stop)
