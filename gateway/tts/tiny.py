@@ -163,8 +163,10 @@ _GENERATION_DEFAULTS: dict[str, Any] = {
     "subtalker_top_k": 50,
     "max_new_tokens": 8192,
 }
-#: The tiny model never learns to stop, so its default budget is small (5.12 s of audio).
-TINY_MAX_NEW_TOKENS = 64
+#: The tiny model never learns to stop, so its default budget is small: 32 frames, 2.56 s of
+#: audio per prompt or sentence (as long as a short real prompt; every test and smoke run
+#: renders it, so a longer budget only costs CPU).
+TINY_MAX_NEW_TOKENS = 32
 
 # --- Text tokenizer ------------------------------------------------------------------------------
 
