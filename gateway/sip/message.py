@@ -89,6 +89,8 @@ _WS = " \t"
 # TEXT-UTF8char is %x21-7E / UTF8-NONASCII, plus LWS). They are refused even inside quoted-pairs
 # (a deliberate deviation from RFC 4475 3.1.1.2): NUL/BEL/DEL in a header only ever hurt logs.
 _CTL_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# The same over a whole header section: LF, and CR before LF, end lines; any other is a control.
+_HEAD_CTL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)")
 # RFC 3986 3.1 scheme, then anything but whitespace, quotes and angle brackets.
 _URI_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*:[^\s<>\"]+")
 # A generic-param value that is not a quoted-string: token / host (IPv6 too) / anything that is
@@ -285,6 +287,12 @@ def _canonical(name: str) -> str:
     return _CANONICAL.get(lower, name)
 
 
+@functools.lru_cache(maxsize=1024)
+def _key(name: str) -> str:
+    # The lookup key of a header name: its canonical spelling, lower-cased (cached as above).
+    return _canonical(name).lower()
+
+
 class Headers:
     """Ordered, case-insensitive multi-map of SIP header fields (RFC 3261 7.3).
 
@@ -297,7 +305,9 @@ class Headers:
     __slots__ = ("_fields",)
 
     def __init__(self, fields: Iterable[tuple[str, str]] = ()) -> None:
-        self._fields: list[tuple[str, str]] = []
+        # (lookup key, canonical name, value) per row: the key is computed once per row, not on
+        # every lookup (a parsed message is asked for its dozen fields many times each).
+        self._fields: list[tuple[str, str, str]] = []
         for name, value in fields:
             self.add(name, value)
 
@@ -308,45 +318,46 @@ class Headers:
 
     def _append(self, name: str, value: str) -> None:
         # Parser fast path: the name is a token and the value is clean already.
-        self._fields.append((self.canonical(name), value))
+        canonical = _canonical(name)
+        self._fields.append((_key(name), canonical, value))
 
     def add(self, name: str, value: str) -> None:
         """Append a header field row (after any existing ones of that name)."""
         if not _TOKEN_RE.fullmatch(name):
             raise ValueError(f"header name is not a token: {_short(name)}")
         _check_value(value, f"value of {name}")
-        self._fields.append((self.canonical(name), value.strip(_WS)))
+        self._fields.append((_key(name), _canonical(name), value.strip(_WS)))
 
     def set(self, name: str, value: str) -> None:
         """Replace every row of ``name`` by one, at the position of the first (else append)."""
         if not _TOKEN_RE.fullmatch(name):
             raise ValueError(f"header name is not a token: {_short(name)}")
         _check_value(value, f"value of {name}")
-        canonical = self.canonical(name)
-        key = canonical.lower()
-        new: list[tuple[str, str]] = []
+        key = _key(name)
+        row = (key, _canonical(name), value.strip(_WS))
+        new: list[tuple[str, str, str]] = []
         placed = False
-        for row in self._fields:
-            if row[0].lower() == key:
+        for old in self._fields:
+            if old[0] == key:
                 if not placed:
-                    new.append((canonical, value.strip(_WS)))
+                    new.append(row)
                     placed = True
             else:
-                new.append(row)
+                new.append(old)
         if not placed:
-            new.append((canonical, value.strip(_WS)))
+            new.append(row)
         self._fields = new
 
     def remove(self, name: str) -> None:
         """Remove every row of ``name`` (no error if there is none)."""
-        key = self.canonical(name).lower()
-        self._fields = [row for row in self._fields if row[0].lower() != key]
+        key = _key(name)
+        self._fields = [row for row in self._fields if row[0] != key]
 
     def get(self, name: str, default: str | None = None) -> str | None:
         """The first value of ``name``: for list headers, the first list element."""
-        key = self.canonical(name).lower()
-        for row_name, value in self._fields:
-            if row_name.lower() == key:
+        key = _key(name)
+        for row_key, _, value in self._fields:
+            if row_key == key:
                 if key in _LIST_HEADERS:
                     parts = _split_list(value)
                     if not parts:
@@ -357,10 +368,10 @@ class Headers:
 
     def get_all(self, name: str) -> list[str]:
         """Every value of ``name`` in order; list headers' comma-joined values are split."""
-        key = self.canonical(name).lower()
+        key = _key(name)
         values: list[str] = []
-        for row_name, value in self._fields:
-            if row_name.lower() == key:
+        for row_key, _, value in self._fields:
+            if row_key == key:
                 if key in _LIST_HEADERS:
                     values.extend(_split_list(value))
                 else:
@@ -369,8 +380,13 @@ class Headers:
 
     def rows(self, name: str) -> list[str]:
         """The raw header field rows of ``name``, unsplit, in order."""
-        key = self.canonical(name).lower()
-        return [value for row_name, value in self._fields if row_name.lower() == key]
+        key = _key(name)
+        return [value for row_key, _, value in self._fields if row_key == key]
+
+    def _replace_value(self, index: int, value: str) -> None:
+        # Row ``index`` keeps its name and takes ``value`` (already clean).
+        key, name, _ = self._fields[index]
+        self._fields[index] = (key, name, value)
 
     def copy(self) -> Headers:
         """A shallow copy (values are immutable strings)."""
@@ -381,11 +397,11 @@ class Headers:
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
             return False
-        key = self.canonical(name).lower()
-        return any(row_name.lower() == key for row_name, _ in self._fields)
+        key = _key(name)
+        return any(row[0] == key for row in self._fields)
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
-        return iter(list(self._fields))
+        return iter([(name, value) for _, name, value in self._fields])
 
     def __len__(self) -> int:
         return len(self._fields)
@@ -393,14 +409,12 @@ class Headers:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Headers):
             return NotImplemented
-        return [(n.lower(), v) for n, v in self._fields] == [
-            (n.lower(), v) for n, v in other._fields
-        ]
+        return [(k, v) for k, _, v in self._fields] == [(k, v) for k, _, v in other._fields]
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"Headers({self._fields!r})"
+        return f"Headers({[(name, value) for _, name, value in self._fields]!r})"
 
 
 # --- header value helpers ----------------------------------------------------------------------
@@ -856,28 +870,9 @@ def parse_message(
     else:
         raise fail(400, "header section is not terminated by an empty line")
 
-    raw_lines = head.split(b"\n")
-    lines: list[str] = []
-    for number, raw in enumerate(raw_lines, 1):
-        if raw.endswith(b"\r"):
-            raw = raw[:-1]
-        if len(raw) > max_line:
-            raise fail(400, f"line {number} is {len(raw)} bytes; the limit is {max_line}")
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise fail(
-                400,
-                f"line {number} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
-                f"{exc.start + 1})",
-            ) from None
-        ctl = _CTL_RE.search(line)
-        if ctl is not None:
-            raise fail(
-                400, f"control character 0x{ord(ctl.group()):02x} in line {number}"
-            )
-        lines.append(line)
-
+    lines = _fast_lines(head, max_line)
+    if lines is None:
+        lines = _checked_lines(head, max_line, fail)
     start_line, header_lines = lines[0], lines[1:]
 
     # Unfold (RFC 3261 7.3.1): a line starting with SP/HTAB continues the previous field.
@@ -905,6 +900,52 @@ def parse_message(
     return _finish_request(start_line, headers, raw_body, fail)
 
 
+def _fast_lines(head: bytes, max_line: int) -> list[str] | None:
+    """The header section's lines when it is clean (the common case), else None.
+
+    Clean: short enough that no line can pass ``max_line``, valid UTF-8 as a whole (so each line
+    is: LF never occurs inside a multi-byte sequence), and no control character but a CR that
+    ends a line. :func:`_checked_lines` accepts exactly these heads with the same lines, and
+    says which line is wrong in any other: the slow path runs only for a message it rejects or
+    one over ``max_line`` bytes.
+    """
+    if len(head) > max_line:
+        return None
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if _HEAD_CTL_RE.search(text) is not None:
+        return None
+    return text.replace("\r\n", "\n").split("\n")
+
+
+def _checked_lines(head: bytes, max_line: int, fail: _Fail) -> list[str]:
+    """The header section's lines, line by line: raises ``fail`` naming the first bad one."""
+    raw_lines = head.split(b"\n")
+    lines: list[str] = []
+    for number, raw in enumerate(raw_lines, 1):
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        if len(raw) > max_line:
+            raise fail(400, f"line {number} is {len(raw)} bytes; the limit is {max_line}")
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise fail(
+                400,
+                f"line {number} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                f"{exc.start + 1})",
+            ) from None
+        ctl = _CTL_RE.search(line)
+        if ctl is not None:
+            raise fail(
+                400, f"control character 0x{ord(ctl.group()):02x} in line {number}"
+            )
+        lines.append(line)
+    return lines
+
+
 def _salvage(data: bytes, max_line: int, max_headers: int) -> SipRequest:
     """What can be read of a request the parser rejected early, to answer it with.
 
@@ -918,7 +959,6 @@ def _salvage(data: bytes, max_line: int, max_headers: int) -> SipRequest:
     lines = (data[: m.start()] if m is not None else data).split(b"\n")
     method = lines[0].split(b" ", 1)[0].decode("latin-1")
     headers = Headers()
-    fields = headers._fields
     kept = False  # whether the previous line was kept (a continuation line extends it)
     for raw in lines[1:]:
         if raw.endswith(b"\r"):
@@ -932,14 +972,15 @@ def _salvage(data: bytes, max_line: int, max_headers: int) -> SipRequest:
             continue
         if line[:1] in (" ", "\t"):
             if kept:
-                name, value = fields[-1]
-                fields[-1] = (name, value.rstrip(_WS) + " " + line.strip(_WS))
+                last = len(headers) - 1
+                value = headers._fields[last][2]
+                headers._replace_value(last, value.rstrip(_WS) + " " + line.strip(_WS))
             continue
         colon = line.find(":")
         name = line[:colon].rstrip(_WS) if colon > 0 else ""
         kept = _TOKEN_RE.fullmatch(name) is not None
         if kept:
-            if len(fields) >= max_headers:
+            if len(headers) >= max_headers:
                 break
             headers._append(name, line[colon + 1 :].strip(_WS))
     return SipRequest(method, "", headers)
@@ -1064,8 +1105,8 @@ def stamp_via(request: SipRequest, ip: str, port: int) -> None:
     Adds ``received=<ip>`` when the sent-by host is a name or a different address, and
     whenever ``rport`` is present; fills an empty ``rport`` with the source port.
     """
-    for index, (name, value) in enumerate(request.headers._fields):
-        if name != "Via":
+    for index, (key, _, value) in enumerate(request.headers._fields):
+        if key != "via":
             continue
         parts = _split_list(value)
         if not parts:
@@ -1078,7 +1119,7 @@ def stamp_via(request: SipRequest, ip: str, port: int) -> None:
         elif source is None or _is_ip(top.host) != source:
             top.params["received"] = ip
         parts[0] = top.serialize()
-        request.headers._fields[index] = (name, ", ".join(parts))
+        request.headers._replace_value(index, ", ".join(parts))
         return
     raise SipParseError(400, "missing Via header field")
 
