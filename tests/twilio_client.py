@@ -49,6 +49,9 @@ class FakeTwilioCall:
     close_reason: str = ""
     marks_echoed: list[str] = field(default_factory=list)
     media_sent: int = 0
+    #: When the last inbound media message started on its way (loop time): the gateway's idle
+    #: timer can start no earlier.
+    last_media_at: float | None = None
     #: Simulated playback runs this many times faster than real time (marks come back sooner).
     playback_speed: float = 1.0
 
@@ -171,6 +174,7 @@ class FakeTwilioCall:
         while not self.closed.is_set():
             chunk += 1
             payload = self._speech.pop(0) if self._speech else SILENCE_FRAME
+            self.last_media_at = self.now()
             await self.send_json(
                 {
                     "event": "media",
