@@ -122,6 +122,35 @@ def test_the_checkpoints_max_new_tokens_bounds_a_request_that_names_no_length(
     assert frames(SpeechRequest(text=long, seed=4, max_frames=named, min_frames=named)) == named
 
 
+@pytest.mark.parametrize("pads", [0, 3])
+def test_the_slots_attention_mask_table_is_the_librarys_built_at_once(
+    tiny_engine: QwenEngine, pads: int
+) -> None:
+    """faster-qwen3-tts builds a slot's per-position masks with one transformers call each
+    (~2 CPU-s per slot start or rebuild); ours builds the same table in one step. Every
+    position's mask must equal the library's, with and without left padding."""
+    from faster_qwen3_tts.talker_graph import TalkerGraph
+
+    from gateway.tts.qwen import build_mask_table
+
+    graph = QwenEngine(tiny_engine.shared, max_seq_len=48)._wrapper.talker_graph
+    graph._init_cache_layers()
+    mask = torch.ones(1, 48, dtype=torch.long)
+    mask[0, :pads] = 0
+
+    def fallback(_: object) -> None:
+        raise AssertionError("the vectorised table was not built")
+
+    build_mask_table(graph, mask if pads else None, fallback=fallback)
+    ours = [m.clone() for m in graph.attn_mask_table]
+    TalkerGraph._build_attention_masks(graph, mask if pads else None)
+    theirs = graph.attn_mask_table
+    assert len(ours) == len(theirs) == 48
+    for position, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape, position
+        assert torch.equal(a, b), position
+
+
 def test_unknown_speaker_or_language_is_a_clear_error(tiny_engine: QwenEngine) -> None:
     with pytest.raises(EngineError, match=r"unknown speaker 'nobody'.*ryan"):
         tiny_engine.stream(SpeechRequest(text="Hi.", speaker="nobody"))

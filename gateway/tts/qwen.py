@@ -602,6 +602,59 @@ def _load_base(model: str, device: str, dtype: str, attn: str) -> tuple[Any, Any
     return base, torch_dtype
 
 
+def build_mask_table(
+    graph: Any, attention_mask: Any = None, *, fallback: Callable[[Any], None]
+) -> None:
+    """A ``TalkerGraph``'s per-position attention masks, built in one vectorised step.
+
+    faster-qwen3-tts builds the table with one ``transformers`` ``create_causal_mask`` call per
+    position, at every slot's start, rebuild, and first turn with a new padding: 4 s for 1,024
+    positions with a padding mask on this CPU, against 13 ms here (``bench/mask_table.py``); the
+    tiny model's whole warm-up was mostly this. Position ``i`` attends to the keys
+    ``<= i`` that ``attention_mask`` does not pad. The library's own masks at the first, a
+    middle and the last position must equal ours; when they do not (a sliding window, a mask
+    format this code does not know), the library builds the table itself (``fallback``).
+    """
+    import torch
+    from transformers.masking_utils import create_causal_mask
+
+    config = graph.model.config
+    size = int(graph.max_seq_len)
+    if getattr(config, "sliding_window", None) is not None:
+        fallback(attention_mask)
+        return
+    dummy = torch.zeros(1, 1, graph.hidden_size, dtype=graph.dtype, device=graph.device)
+
+    def library(position: int) -> Any:
+        return create_causal_mask(
+            config=config, input_embeds=dummy, attention_mask=attention_mask,
+            cache_position=torch.tensor([position], device=graph.device),
+            past_key_values=graph.static_cache,
+        )
+
+    first = library(0)
+    if not (isinstance(first, torch.Tensor) and first.dtype == torch.bool
+            and first.dim() == 4 and tuple(first.shape[1:]) == (1, 1, size)):
+        fallback(attention_mask)
+        return
+    keys = torch.arange(size, device=first.device)
+    causal = keys[None, :] <= keys[:, None]  # [position, key]
+    table = causal[:, None, None, None, :].expand(size, first.shape[0], 1, 1, size)
+    if attention_mask is not None:
+        table = table & attention_mask.to(device=first.device, dtype=torch.bool)[
+            None, :, None, None, :size]
+    table = table.contiguous()
+    if not all(torch.equal(table[p], first if p == 0 else library(p))
+               for p in (0, size // 2, size - 1)):
+        fallback(attention_mask)
+        return
+    graph.attn_mask_table = list(table.unbind(0))
+    if graph.attn_mask is None:
+        graph.attn_mask = graph.attn_mask_table[0].clone()
+    else:
+        graph.attn_mask.copy_(graph.attn_mask_table[0])
+
+
 def _graph_holders(shared: QwenModel, max_seq_len: int) -> Any:
     """One slot's faster-qwen3-tts graph holders (own static caches) over the shared weights."""
     with _quiet_stdout():
@@ -629,6 +682,10 @@ def _graph_holders(shared: QwenModel, max_seq_len: int) -> Any:
     )
     talker_graph = TalkerGraph(
         talker.model, talker_config, device=graph_device, dtype=torch_dtype, max_seq_len=max_seq_len
+    )
+    library_masks = talker_graph._build_attention_masks
+    talker_graph._build_attention_masks = functools.partial(
+        build_mask_table, talker_graph, fallback=library_masks
     )
     if not shared.on_cuda:
         predictor_graph.capture = lambda num_warmup=0: _eager_capture(predictor_graph)
