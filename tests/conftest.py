@@ -47,7 +47,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip GPU-marked tests only when no CUDA device exists (CPU twins cover the behaviour)."""
+    """Modules with real-time tests first; skip GPU-marked tests only when no CUDA device
+    exists (CPU twins cover the behaviour)."""
+    _real_time_modules_first(items)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
@@ -58,6 +60,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device; covered on CPU by the tiny model")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def _real_time_modules_first(items: list[pytest.Item]) -> None:
+    """Put the modules that hold ``slow`` (real-time) tests first, each module's tests together
+    and in order, the rest after them in collection order.
+
+    pytest-xdist (``--dist loadfile``) hands modules to workers in this order. The real-time
+    modules spend most of their wall time waiting (peers in other processes, signals,
+    watchdogs): started first, they wait while the CPU-bound modules run on the other workers,
+    instead of being what the last worker still waits on after the others are done.
+    """
+    real_time = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in real_time)  # stable: order kept within groups
 
 
 def _built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
