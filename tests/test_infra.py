@@ -99,15 +99,23 @@ def infra_texts() -> dict[str, str]:
     return {path.name: path.read_text() for path in sorted(INFRA.glob("*.tf"))}
 
 
-REAL_TEXTS = infra_texts()
-REAL = load_module(REAL_TEXTS)
+@functools.cache
+def real_texts() -> dict[str, str]:
+    """The deployed module's files, read once (when a test first asks, not at collection)."""
+    return infra_texts()
+
+
+@functools.cache
+def real() -> Module:
+    """The deployed module, parsed once (callers never mutate it)."""
+    return load_module(real_texts())
 
 
 def mutated(filename: str, old: str, new: str) -> Module:
     """The real module with one exact, unique piece of one file replaced."""
-    text = REAL_TEXTS[filename]
+    text = real_texts()[filename]
     assert text.count(old) == 1, f"{old!r} must occur exactly once in {filename}"
-    return load_module({**REAL_TEXTS, filename: text.replace(old, new)})
+    return load_module({**real_texts(), filename: text.replace(old, new)})
 
 
 # --- expressions ----------------------------------------------------------------------------------
@@ -676,7 +684,7 @@ CHECKERS: dict[str, Callable[[Module], list[str]]] = {
 
 def with_default(variable: str, value: object) -> Module:
     """The real module with one variable's default changed."""
-    module = copy.deepcopy(REAL)
+    module = copy.deepcopy(real())
     assert "default" in module.variables[variable]
     module.variables[variable]["default"] = value
     return module
@@ -751,7 +759,7 @@ def test_every_tf_file_parses() -> None:
 
 @pytest.mark.parametrize("check", sorted(CHECKERS))
 def test_invariant_holds(check: str) -> None:
-    assert CHECKERS[check](REAL) == []
+    assert CHECKERS[check](real()) == []
 
 
 @pytest.mark.parametrize("check", sorted(CHECKERS))
@@ -808,8 +816,8 @@ def test_drain_checker_rejects_a_grace_longer_than_the_stop_timeout() -> None:
 
 
 def test_sip_resources_default_off_and_secret_arn_only_in_secrets() -> None:
-    assert REAL.variables["sip_enabled"]["default"] is False
-    text = "\n".join(REAL_TEXTS.values())
+    assert real().variables["sip_enabled"]["default"] is False
+    text = "\n".join(real_texts().values())
     # The token's value never appears in Terraform (state would hold it): no secret version.
     assert "aws_secretsmanager_secret_version" not in text
 
@@ -824,10 +832,10 @@ def test_evaluator_is_exact_and_refuses_anything_but_arithmetic() -> None:
 
 
 def test_resolver_follows_variables_locals_and_tostring() -> None:
-    assert resolve("${tostring(var.drain_grace_s)}", REAL) == "110"
-    assert resolve("${local.stop_timeout_s}", REAL) == 120
-    assert resolve("${floor(var.max_replicas * 3 / 2)}", REAL) == 6
+    assert resolve("${tostring(var.drain_grace_s)}", real()) == "110"
+    assert resolve("${local.stop_timeout_s}", real()) == 120
+    assert resolve("${floor(var.max_replicas * 3 / 2)}", real()) == 6
     with pytest.raises(Unresolved):
-        resolve("${var.certificate_arn}", REAL)  # required: no default
+        resolve("${var.certificate_arn}", real())  # required: no default
     with pytest.raises(Unresolved):
-        resolve("${aws_lb.alb.dns_name}", REAL)
+        resolve("${aws_lb.alb.dns_name}", real())
