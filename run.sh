@@ -35,7 +35,9 @@ case "$cmd" in
     setup
     # Parallel workers (pytest-xdist): the suite mostly waits on sockets, peers and timers,
     # so three processes on two cores finish it in about half the serial time. A module
-    # stays on one worker (--dist loadfile): its module-scoped gateway is started once.
+    # stays on one worker (--dist loadfile): its module-scoped gateway is started once, and
+    # modules are handed out in collection order (--no-loadscope-reorder; tests/conftest.py
+    # puts the real-time ones first), not by their number of tests.
     # TEST_WORKERS=0 runs it serially (for a debugger, or -x on the first failure).
     # One torch (OpenMP) thread per test process: the tiny model gains nothing from two, and
     # three workers with two spinning OpenMP threads each on two cores cost ~20% more CPU for
@@ -46,7 +48,7 @@ case "$cmd" in
     # (hypothesis alone is 73 modules) on each import without them, and every gateway process
     # a test starts compiles the package again. Cached: 15.3 -> 8.8 CPU-s per collection.
     unset PYTHONDONTWRITEBYTECODE
-    exec "$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-3}" --dist loadfile "$@"
+    exec "$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
     ;;
   serve) shift; setup; exec "$VENV/bin/gateway" serve "$@" ;;
   -*) setup; exec "$VENV/bin/gateway" serve "$@" ;;
