@@ -288,3 +288,31 @@ def test_codec_configs_keep_the_frame_geometry() -> None:
         dec = cfg.decoder_config
         assert int(np.prod(list(dec.upsample_rates) + list(dec.upsampling_ratios))) == 1920
         assert cfg.encoder_config.num_quantizers >= cfg.encoder_valid_num_quantizers == 16
+
+
+def test_the_tiny_alias_builds_again_when_the_cached_checkpoint_is_an_older_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--model tiny`` reuses its cached checkpoint, unless an older version built it with
+    another frame budget (then callers would hear that version's prompt lengths)."""
+    from gateway.tts.qwen import resolve_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    target = tmp_path / "qwen3-tts-gateway" / "tiny-custom_voice"
+    built: list[Path] = []
+
+    def fake_build(out_dir: Path) -> Path:
+        built.append(Path(out_dir))
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "model.safetensors").write_bytes(b"weights")
+        (Path(out_dir) / "generation_config.json").write_text(
+            json.dumps({"max_new_tokens": tiny.TINY_MAX_NEW_TOKENS}))
+        return Path(out_dir)
+
+    monkeypatch.setattr(tiny, "build_tiny_checkpoint", fake_build)
+    assert resolve_model("tiny") == str(target) and built == [target]  # none cached: built
+    assert resolve_model("tiny") == str(target) and len(built) == 1  # current: reused
+    (target / "generation_config.json").write_text(json.dumps({"max_new_tokens": 64}))
+    assert resolve_model("tiny") == str(target) and len(built) == 2  # an older build: again
+    assert resolve_model("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice") == (
+        "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")

@@ -126,14 +126,28 @@ def resolve_model(model: str) -> str:
     if model != TINY_ALIAS:
         return model
     with _quiet_stdout():
-        from gateway.tts.tiny import build_tiny_checkpoint
+        from gateway.tts import tiny
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen3-tts-gateway"
     target = cache / "tiny-custom_voice"
-    if not (target / "model.safetensors").exists():
-        build_tiny_checkpoint(target)
+    if not (target / "model.safetensors").exists() or not _tiny_is_current(target):
+        tiny.build_tiny_checkpoint(target)
     log.warning("model 'tiny': random weights from %s; callers will hear noise", target)
     return str(target)
+
+
+def _tiny_is_current(target: Path) -> bool:
+    """Whether a cached tiny checkpoint is what this version builds: one built by an older
+    version with another frame budget (``max_new_tokens``) is built again."""
+    import json
+
+    from gateway.tts.tiny import TINY_MAX_NEW_TOKENS
+
+    try:
+        generation = json.loads((target / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(generation, dict) and generation.get("max_new_tokens") == TINY_MAX_NEW_TOKENS
 
 
 def _looks_like_path(model: str) -> bool:
