@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -175,9 +176,34 @@ async def test_queued_turns_are_served_in_deadline_order(
     assert service.stats.start_order[-4:] == ["blocker", "a", "b", "c"]
 
 
+def _slow_first_chunk(stream: Callable[..., Iterator[np.ndarray]], text: str,
+                     delay_s: float) -> Callable[..., Iterator[np.ndarray]]:
+    """An engine's ``stream`` whose turns saying ``text`` take ``delay_s`` longer to their
+    first chunk (a slow prefill), the others unchanged."""
+
+    def slowed(request: SpeechRequest, should_stop: Any = None) -> Iterator[np.ndarray]:
+        inner = stream(request, should_stop)
+        if request.text != text:
+            return inner
+
+        def delayed() -> Iterator[np.ndarray]:
+            time.sleep(delay_s)
+            yield from inner
+
+        return delayed()
+
+    return slowed
+
+
 async def test_a_turn_ahead_of_playback_yields_to_one_waiting_for_first_audio(
-    two_slots: list[QwenEngine], service_factory: Callable[..., SpeechService]
+    two_slots: list[QwenEngine], service_factory: Callable[..., SpeechService],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The urgent turn's prefill is made slow (0.3 s, several of the long turn's frames): a warm
+    # slot's own first chunk can arrive before the long turn reaches its next frame, and then
+    # there is nothing to yield to and the pause this test checks never happens.
+    for slot in two_slots:
+        monkeypatch.setattr(slot, "stream", _slow_first_chunk(slot.stream, "Urgent.", 0.3))
     service = service_factory(two_slots, ahead_high_s=0.3, ahead_low_s=0.1)
     long_turn = service.stream(SpeechRequest(text="Long. " * 30, seed=3, max_frames=150,
                                              min_frames=150))
