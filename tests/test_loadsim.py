@@ -451,7 +451,7 @@ def scripted_gateway(behaviour: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """A gateway whose timeline the test knows, checking what a Twilio caller sends.
 
     ``barge``: the voice webhook answers <Connect action><Stream> with <Parameter>s; the stream
-    plays a prompt one 20 ms frame at a time; a key sends 3 more prompt frames (already in
+    plays a prompt one 20 ms frame at a time, 100 ms ahead; a key sends 3 more prompt frames (in
     flight), then ``clear``, 300 ms of silence and the new utterance; 0.8 s later the gateway
     ends the stream (close 1000) and its <Connect action> answers <Dial>.
     ``busy``: the webhook always answers the busy TwiML; /readyz says max_calls 1.
@@ -505,8 +505,11 @@ def scripted_gateway(behaviour: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
         async def prompt() -> None:
             start = time.monotonic()
-            for n in range(150):  # 3 s, paced on a monotonic deadline
-                await asyncio.sleep(max(0.0, start + 0.02 * n - time.monotonic()))
+            # 3 s, paced on a monotonic deadline 100 ms ahead of playback, as a real gateway
+            # leads: sent exactly in real time, one late wake-up of this loop on a busy machine
+            # left the caller a gap, and its key then counted as a plain DTMF turn.
+            for n in range(150):
+                await asyncio.sleep(max(0.0, start + 0.02 * (n - 5) - time.monotonic()))
                 await send(FRAME)
                 if key.is_set():
                     seen["after_key"].append(n)
