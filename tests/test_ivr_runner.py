@@ -704,6 +704,13 @@ nodes:
 """
 
 
+@pytest.fixture(scope="module")
+def bilingual_cache() -> PromptCache:
+    """BILINGUAL's fixed sentences, rendered by the first call that needs them: each case below
+    takes another branch of the same script, and its cached sentences are the same."""
+    return PromptCache(None)
+
+
 @pytest.mark.parametrize(
     ("key", "language", "speaker", "bye"),
     [("2", "Spanish", "ryan", "Adiós."), ("3", "English", "serena", "Goodbye."),
@@ -711,7 +718,7 @@ nodes:
 )
 async def test_a_node_changes_the_calls_language_or_voice_and_the_cache_keys_follow(
     speech: SpeechService, engine: Engine, monkeypatch: pytest.MonkeyPatch,
-    key: str, language: str, speaker: str, bye: str,
+    bilingual_cache: PromptCache, key: str, language: str, speaker: str, bye: str,
 ) -> None:
 
     requests: list[SpeechRequest] = []
@@ -731,7 +738,7 @@ async def test_a_node_changes_the_calls_language_or_voice_and_the_cache_keys_fol
         ("Goodbye.", "English", "ryan"), ("Adiós.", "Spanish", "ryan"),
         ("Goodbye.", "English", "serena"),
     }
-    h = Harness(script, speech, engine)
+    h = Harness(script, speech, engine, cache=bilingual_cache)
     await h.start()
     await h.waiting_for_input()
     await h.press(key)

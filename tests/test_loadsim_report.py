@@ -346,7 +346,10 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     pixels = mpimg.imread(shot)
     assert pixels.shape[:2] == (2400, 1280)
     rgb = np.round(pixels[..., :3] * 255).astype(np.uint8).reshape(-1, 3)
-    colours, counts = np.unique(rgb, axis=0, return_counts=True)
+    # Each colour as one 24-bit number: np.unique over rows (axis=0) sorts 3M structured rows,
+    # 5 CPU-s; over packed integers, 0.1 s.
+    packed = (rgb[:, 0].astype(np.uint32) << 16) | (rgb[:, 1].astype(np.uint32) << 8) | rgb[:, 2]
+    colours, counts = np.unique(packed, return_counts=True)
     # Text, tables, banners and four anti-aliased plots: far from a blank page.
     assert len(colours) > 200
     assert counts.max() / len(rgb) < 0.9
