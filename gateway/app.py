@@ -46,6 +46,7 @@ from gateway.asr.pool import RecognizerPool
 from gateway.audio.condition import Conditioning
 from gateway.call.admission import Admission
 from gateway.call.events import Codec
+from gateway.call.inbound import InboundCap
 from gateway.call.lifecycle import CallLifecycle, DetectorFactory, DialogFactory
 from gateway.call.registry import CallRegistry
 from gateway.call.session import Call, Dialog, SpeechDetector
@@ -321,6 +322,7 @@ def create_app(
         admission=admission, registry=registry, readiness=readiness, dialogs=dialogs,
         clock=clock, metrics=metrics, conditioning=conditioning(settings),
         detectors=_detectors(settings),
+        inbound=InboundCap(settings.inbound_media_rate, settings.inbound_media_burst),
     )
     gateway = Gateway(
         settings=settings, clock=clock, metrics=metrics, readiness=readiness,
@@ -486,9 +488,7 @@ async def _start_sip(gateway: Gateway, sock: socket.socket | None) -> SipEndpoin
     endpoint = SipEndpoint(gateway.lifecycle, config, metrics=gateway.metrics,
                            rtp_ports=settings.rtp_port_range,
                            answer_delay_s=settings.sip_answer_delay_ms / 1000,
-                           rtp_timeout_s=settings.sip_rtp_timeout_s,
-                           inbound_rate=settings.inbound_media_rate,
-                           inbound_burst=settings.inbound_media_burst)
+                           rtp_timeout_s=settings.sip_rtp_timeout_s)
     await endpoint.start(host, port, sock=sock)
     return endpoint
 

@@ -149,15 +149,19 @@ def test_live_call_updates_use_the_api_key_else_the_auth_token(
 
 def test_the_inbound_media_cap_is_a_setting_both_transports_read(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """GATEWAY_INBOUND_MEDIA_RATE / _BURST reach the Twilio streams' cap (the SIP endpoint's
-    is tests/test_sip_media.py's flood test); a cap a normal 50-a-second stream would hit is
-    refused by name."""
-    from gateway.twilio.session import TwilioConfig
+    """GATEWAY_INBOUND_MEDIA_RATE / _BURST reach the one cap the call lifecycle holds, and the
+    meter each transport takes from it per call (the SIP endpoint's, under flood, is
+    tests/test_sip_media.py's test); a cap a normal 50-a-second stream would hit is refused by
+    name."""
+    from gateway.app import create_app
 
     monkeypatch.setenv("GATEWAY_INBOUND_MEDIA_RATE", "200")
     monkeypatch.setenv("GATEWAY_INBOUND_MEDIA_BURST", "400")
-    config = TwilioConfig.from_settings(Settings())
-    assert (config.inbound_rate, config.inbound_burst) == (200, 400)
+    lifecycle = create_app(Settings(), engine_factory=lambda s: []).state.gateway.lifecycle
+    assert (lifecycle.inbound.rate, lifecycle.inbound.burst) == (200, 400)
+    meter = lifecycle.inbound_meter()
+    assert (meter.rate, meter.burst) == (200, 400)
+    assert lifecycle.inbound_meter() is not meter  # one bucket per call
     monkeypatch.setenv("GATEWAY_INBOUND_MEDIA_RATE", "40")
     with pytest.raises(ValidationError) as info:
         Settings()

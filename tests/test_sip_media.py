@@ -23,7 +23,7 @@ from conftest import virtual_loop
 
 from gateway.audio.g711 import ulaw_encode
 from gateway.call import Admission, Call, CallLifecycle, CallRegistry, Hangup, Utterance
-from gateway.call.inbound import BURST, MAX_RATE
+from gateway.call.inbound import BURST, MAX_RATE, InboundCap
 from gateway.loadsim.sip_caller import SipCaller
 from gateway.metrics import Metrics
 from gateway.readiness import Readiness
@@ -63,9 +63,11 @@ class Playing:
 Scenario = Callable[[SipEndpoint, Metrics, Playing], Awaitable[None]]
 
 
-def _run(scenario: Scenario, pcm: np.ndarray, ports: range, **options: Any) -> None:
+def _run(scenario: Scenario, pcm: np.ndarray, ports: range, inbound: InboundCap | None = None,
+         **options: Any) -> None:
     """Run ``scenario`` against a fresh endpoint whose calls play ``pcm``, on virtual time
-    (``options``: more of :class:`SipEndpoint`'s keyword arguments)."""
+    (``inbound``: the lifecycle's inbound cap; ``options``: more of :class:`SipEndpoint`'s
+    keyword arguments)."""
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -76,7 +78,8 @@ def _run(scenario: Scenario, pcm: np.ndarray, ports: range, **options: Any) -> N
         dialog = Playing(pcm)
         lifecycle = CallLifecycle(admission=Admission(4, readiness, clock, metrics),
                                   registry=CallRegistry(metrics), readiness=readiness,
-                                  dialogs=dialog, clock=clock, metrics=metrics)
+                                  dialogs=dialog, clock=clock, metrics=metrics,
+                                  inbound=inbound)
         endpoint = SipEndpoint(lifecycle, UasConfig(local_ip="127.0.0.1", local_port=0,
                                                     allow=["127.0.0.1/32"], t1=0.1),
                                metrics=metrics, rtp_ports=ports, **options)
@@ -244,7 +247,7 @@ def test_an_rtp_flood_is_dropped_unread_and_counted_and_a_normal_stream_never_is
             assert through <= burst + rate * elapsed + 1
             assert not dialog.calls[0].ended and endpoint.media
 
-    _run(scenario, _prompt(0.2), range(27440, 27460), inbound_rate=rate, inbound_burst=burst)
+    _run(scenario, _prompt(0.2), range(27440, 27460), inbound=InboundCap(rate, burst))
 
 
 def test_a_call_keeps_its_latest_digits_and_counts_them_all() -> None:

@@ -7,7 +7,9 @@ whatever rate it manages, taking the event loop from every other call. :class:`I
 token bucket over the adapter's own clock readings: it lets through :data:`MAX_RATE` messages a
 second on average and bursts of up to :data:`BURST` (a network stall delivers its backlog at
 once: three seconds of it pass), and says which of the rest to drop. Both are defaults:
-``GATEWAY_INBOUND_MEDIA_RATE`` and ``GATEWAY_INBOUND_MEDIA_BURST`` set them per gateway. The
+``GATEWAY_INBOUND_MEDIA_RATE`` and ``GATEWAY_INBOUND_MEDIA_BURST`` set them per gateway, as one
+:class:`InboundCap` the call lifecycle holds; each transport asks it for a meter per call
+(:meth:`CallLifecycle.inbound_meter`), so neither carries the settings itself. The
 adapter drops them unparsed where it can tell media apart cheaply, and counts them
 (``gateway_inbound_media_dropped_total{transport}``). A normal stream never comes near the cap.
 Sans-I/O: one float comparison per message, no timer.
@@ -15,9 +17,10 @@ Sans-I/O: one float comparison per message, no timer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["BURST", "MAX_RATE", "InboundRate"]
+__all__ = ["BURST", "MAX_RATE", "InboundCap", "InboundRate"]
 
 MAX_RATE: Final[float] = 100.0
 """Inbound media messages (or RTP packets) a second a call may send on average: twice 50."""
@@ -56,3 +59,19 @@ class InboundRate:
             return False
         self._tokens = tokens - 1.0
         return True
+
+
+@dataclass(frozen=True)
+class InboundCap:
+    """A gateway's cap on each call's inbound media: ``rate`` a second, bursts of ``burst``."""
+
+    rate: float = MAX_RATE
+    burst: float = BURST
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0 or self.burst < 1:
+            raise ValueError("need rate > 0 and burst >= 1")
+
+    def meter(self, now: float | None = None) -> InboundRate:
+        """A fresh token bucket for one call (or stream) under this cap."""
+        return InboundRate(self.rate, self.burst, now)

@@ -31,6 +31,7 @@ from gateway.audio.condition import Conditioning
 from gateway.call.admission import Admission, Refusal
 from gateway.call.events import Codec, HangUp, Hangup
 from gateway.call.inactivity import InactivityWatch
+from gateway.call.inbound import InboundCap, InboundRate
 from gateway.call.registry import CallRegistry
 from gateway.call.session import Call, CallTransport, Dialog, SpeechDetector
 from gateway.clock import Clock
@@ -69,6 +70,7 @@ class CallLifecycle:
         metrics: Metrics | None = None,
         conditioning: Conditioning | None = None,
         detectors: DetectorFactory | None = None,
+        inbound: InboundCap | None = None,
     ) -> None:
         self.admission = admission
         self.registry = registry
@@ -78,6 +80,8 @@ class CallLifecycle:
         self.metrics = metrics
         self.conditioning = conditioning
         self.detectors = detectors
+        #: The cap on each call's inbound media rate, the same for every transport.
+        self.inbound = inbound if inbound is not None else InboundCap()
         self._dialog_tasks: dict[str, asyncio.Task[None]] = {}
 
     # --- admission ----------------------------------------------------------------------------
@@ -93,6 +97,10 @@ class CallLifecycle:
     def admit(self, key: str, transport: str) -> Refusal | None:
         """A seat for a call arriving now (its reservation, or a fresh one), or why not."""
         return self.admission.admit(key, transport)
+
+    def inbound_meter(self) -> InboundRate:
+        """The inbound-rate meter of one new call or stream (:mod:`gateway.call.inbound`)."""
+        return self.inbound.meter()
 
     def watch(self, timeout_s: float, transport: str, on_expired: Callable[[], None],
               label: str) -> InactivityWatch:

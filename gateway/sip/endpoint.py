@@ -34,7 +34,7 @@ from typing import Any
 
 from gateway.aio import cancel_and_wait
 from gateway.call.events import CallOutcome, Codec, TransferTo
-from gateway.call.inbound import BURST, MAX_RATE, InboundRate
+from gateway.call.inbound import InboundRate
 from gateway.call.lifecycle import CallLifecycle
 from gateway.call.playout import PlayoutPolicy
 from gateway.call.session import Call
@@ -150,7 +150,7 @@ class SipMedia:
         self._latched = False
         self._on_hold = answer.on_hold
         self._held_at: float | None = endpoint.clock.now() if answer.on_hold else None
-        self.rate = InboundRate(endpoint.inbound_rate, endpoint.inbound_burst)
+        self.rate: InboundRate = endpoint.lifecycle.inbound_meter()
         self._dropped_metric = (endpoint.metrics.inbound_media_dropped.labels("sip")
                                 if endpoint.metrics is not None else None)
 
@@ -279,10 +279,8 @@ class SipEndpoint:
         answer_delay_s: float = 0.0,
         accept_any_rtp_source: bool = False,
         rtp_timeout_s: float = 60.0,
-        inbound_rate: float = MAX_RATE,
-        inbound_burst: float = BURST,
     ) -> None:
-        """``inbound_rate``/``inbound_burst``: each call's cap on inbound RTP packets
+        """Each call's cap on inbound RTP packets is the lifecycle's
         (:mod:`gateway.call.inbound`)."""
         self.lifecycle = lifecycle
         self.clock = lifecycle.clock
@@ -295,8 +293,6 @@ class SipEndpoint:
         self.answer_delay_s = answer_delay_s
         self.accept_any_rtp_source = accept_any_rtp_source
         self.rtp_timeout_s = rtp_timeout_s
-        self.inbound_rate = inbound_rate
-        self.inbound_burst = inbound_burst
         self.media: dict[str, SipMedia] = {}
         self.calls: dict[str, Call] = {}
         self.dropped = 0

@@ -28,7 +28,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from gateway.call.events import CallOutcome, Codec
 from gateway.call.inactivity import InactivityWatch
-from gateway.call.inbound import BURST, MAX_RATE, InboundRate
+from gateway.call.inbound import InboundRate
 from gateway.call.lifecycle import CallLifecycle
 from gateway.call.playout import PlayoutPolicy
 from gateway.call.session import Call
@@ -104,9 +104,6 @@ class TwilioConfig:
     #: replica, and a call it does not know has no outcome anywhere.
     after_stream_hops: int = 0
     after_stream_pause_s: int = 1
-    #: The per-stream inbound message cap (:mod:`gateway.call.inbound`).
-    inbound_rate: float = MAX_RATE
-    inbound_burst: float = BURST
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TwilioConfig:
@@ -118,8 +115,6 @@ class TwilioConfig:
             reservation_s=settings.twilio_reservation_s,
             busy_message=settings.busy_message,
             after_stream_hops=AFTER_STREAM_HOPS if settings.twilio_account_sid else 0,
-            inbound_rate=settings.inbound_media_rate,
-            inbound_burst=settings.inbound_media_burst,
         )
 
     def playout(self) -> PlayoutPolicy:
@@ -319,7 +314,7 @@ class TwilioSession:
         self.call: Call | None = None
         self.inbound_frames = 0
         #: The cap on this stream's inbound message rate (:mod:`gateway.call.inbound`).
-        self.rate = InboundRate(config.inbound_rate, config.inbound_burst)
+        self.rate: InboundRate = lifecycle.inbound_meter()
         self._dropped_metric = (metrics.inbound_media_dropped.labels("twilio")
                                 if metrics is not None else None)
         self._watch: InactivityWatch | None = None
