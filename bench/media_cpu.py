@@ -169,7 +169,7 @@ def _install_baseline() -> None:
                 pos += take
                 if self._fill == self._window:
                     self._fill = 0
-                    if self._step():
+                    if self._step(base + pos):  # the window ends at this sample
                         started = True
                         self.last_event_sample = base + pos
             return started
