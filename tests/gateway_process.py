@@ -31,10 +31,9 @@ from sip_peers import free_port
 class ForkedProcess:
     """A child of the zygote, with the part of ``subprocess.Popen`` the tests use."""
 
-    def __init__(self, zygote: _Zygote, pid: int) -> None:
+    def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
-        self._zygote = zygote
         self._ended = threading.Event()
 
     def _exited(self, code: int) -> None:
@@ -115,7 +114,7 @@ class _Zygote:
                 raise RuntimeError(f"the gateway zygote did not fork in {timeout} s")
             if not self._spawned:
                 raise RuntimeError(f"the gateway zygote exited {self.proc.returncode}")
-            child = ForkedProcess(self, self._spawned.pop(0))
+            child = ForkedProcess(self._spawned.pop(0))
             self._children[child.pid] = child
             return child
 

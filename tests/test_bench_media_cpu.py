@@ -43,7 +43,7 @@ def test_the_benchmarks_old_per_frame_path_runs_on_todays_modules(
     # Everything _install_baseline replaces comes back after the test.
     for owner, name in ((app_module, "_detectors"), (inbound.InboundRate, "allow"),
                         (protocol.MediaStreamProtocol, "receive"),
-                        (session.Call, "inbound_audio"), (type(session._PROMPT_FRAMES), "frames")):
+                        (session.Call, "inbound_audio")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
     monkeypatch.setattr(session._PROMPT_FRAMES, "frames", session._PROMPT_FRAMES.frames)
     _bench(monkeypatch)._install_baseline()
@@ -72,4 +72,5 @@ def test_the_benchmarks_old_per_frame_path_runs_on_todays_modules(
     # Prompts encoded on every play; no inbound cap.
     frames = session._PROMPT_FRAMES.frames(np.zeros(800, np.int16), "pcmu")
     assert len(frames) == 5 and all(len(f) == 160 for f in frames)
-    assert inbound.InboundRate(1.0, 1.0).allow(0.0) and inbound.InboundRate(1.0, 1.0).allow(0.0)
+    bucket = inbound.InboundRate(1.0, 1.0)  # one message of burst: the second would be over
+    assert bucket.allow(0.0) and bucket.allow(0.0)

@@ -29,6 +29,11 @@ BURST: Final[float] = 150.0
 """Messages that may arrive back to back (three seconds of 20 ms frames)."""
 
 
+def _check(rate: float, burst: float) -> None:
+    if rate <= 0 or burst < 1:
+        raise ValueError("need rate > 0 and burst >= 1")
+
+
 class InboundRate:
     """Token bucket: :meth:`allow` says whether one more inbound message fits the cap."""
 
@@ -36,8 +41,7 @@ class InboundRate:
 
     def __init__(self, rate: float = MAX_RATE, burst: float = BURST,
                  now: float | None = None) -> None:
-        if rate <= 0 or burst < 1:
-            raise ValueError("need rate > 0 and burst >= 1")
+        _check(rate, burst)
         self.rate = rate
         self.burst = burst
         self._tokens = burst
@@ -69,8 +73,7 @@ class InboundCap:
     burst: float = BURST
 
     def __post_init__(self) -> None:
-        if self.rate <= 0 or self.burst < 1:
-            raise ValueError("need rate > 0 and burst >= 1")
+        _check(self.rate, self.burst)  # at start-up, not at the first call
 
     def meter(self, now: float | None = None) -> InboundRate:
         """A fresh token bucket for one call (or stream) under this cap."""
