@@ -1,12 +1,14 @@
 """Recognisers that fail on purpose, for tests/test_asr_pool.py and tests/test_speech_e2e.py.
 
-They run inside RecognizerPool's spawned worker processes, so they live in an importable
-module (the workers inherit the test run's sys.path) and are built from picklable factories.
+They run inside RecognizerPool's worker processes (forked from multiprocessing's fork server),
+so they live in an importable module (the workers inherit the test run's sys.path) and are
+built from picklable factories.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Iterable
 
@@ -54,6 +56,15 @@ class Flaky(Echo):
         if cue == WEDGE:
             threading.Event().wait(60)
         return super().recognize(pcm, grammar)
+
+
+class Whereabouts(Echo):
+    """Says where its worker came from: the name is ``"<parent pid> <modules>"``, the modules
+    being which of the gateway process's heavy ones the worker holds."""
+
+    def __init__(self) -> None:
+        heavy = [name for name in ("torch", "transformers", "fastapi") if name in sys.modules]
+        self.name = f"{os.getppid()} {','.join(heavy) or '-'}"
 
 
 def cannot_load() -> Echo:

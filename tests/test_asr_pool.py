@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import sys
 
 import asr_fakes
 import numpy as np
@@ -197,6 +199,27 @@ async def test_worker_failures_are_recognizer_errors_and_the_pool_recovers() -> 
         assert (await pool.recognize(SPEECH, MENU)).matched, "the wedged worker was replaced"
     finally:
         await pool.close()
+
+
+async def test_workers_fork_from_one_clean_server_not_from_the_gateway() -> None:
+    # Forking the gateway (an event loop, torch's threads) is never safe; spawning a fresh
+    # interpreter per worker re-imports the recogniser each time (~1.3 CPU-s with scipy). The
+    # fork server is both clean and paid once: every pool of the process forks from it.
+    import torch  # noqa: F401  (the gateway's process holds it; its workers must not)
+
+    assert "torch" in sys.modules
+    parents = set()
+    for _ in range(2):
+        pool = RecognizerPool(asr_fakes.Whereabouts, workers=2)
+        await pool.start()
+        try:
+            assert (await pool.recognize(SPEECH, MENU)).matched
+            parent, heavy = pool.name.split(" ")
+        finally:
+            await pool.close()
+        assert heavy == "-", f"a worker inherited the gateway's modules: {heavy}"
+        parents.add(int(parent))
+    assert len(parents) == 1 and os.getpid() not in parents, parents
 
 
 async def test_a_recogniser_that_cannot_load_fails_start() -> None:

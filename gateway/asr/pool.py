@@ -5,8 +5,12 @@ holds the GIL for the whole of a decode; measured, a 0.3 s decode stalled anothe
 for 0.19 s, which in the gateway would stall every call's 20 ms audio pacing. Worker processes
 also make a decoder crash an exception for one turn instead of the end of the gateway.
 
-* :class:`RecognizerPool` owns ``workers`` processes (``spawn``: never fork a process that runs
-  an event loop and torch threads), each holding one recogniser built by a picklable factory.
+* :class:`RecognizerPool` owns ``workers`` processes, each holding one recogniser built by a
+  picklable factory. They are forked from multiprocessing's fork server (``forkserver``), never
+  from the gateway itself (it runs an event loop and torch threads): a clean interpreter that
+  has imported the recogniser once. A pool's first start pays that import (~1.3 CPU-s with
+  scipy); later workers of the process (a restart after a crash or a timeout, another pool)
+  only build their decoder. ``spawn`` re-imported it in every worker.
   ``await pool.recognize(pcm, grammar)`` sends one turn's audio (16 KiB per second of speech)
   to a free worker and returns its :class:`~gateway.asr.base.RecognitionResult`.
   Failures are :class:`~gateway.errors.RecognizerError`\\ s the IVR turns into "fall back to
@@ -23,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import multiprocessing
+import multiprocessing.context
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Final
@@ -122,7 +128,7 @@ class RecognizerPool:
     def _new_executor(self) -> concurrent.futures.ProcessPoolExecutor:
         return concurrent.futures.ProcessPoolExecutor(
             max_workers=self._workers,
-            mp_context=multiprocessing.get_context("spawn"),
+            mp_context=_context(self._factory),
             initializer=_init_worker,
             initargs=(self._factory,),
         )
@@ -241,6 +247,21 @@ class RecognizerPool:
         if executor is not None:
             # Workers hold no state worth a graceful goodbye, and one may be wedged in a decode.
             await asyncio.get_running_loop().run_in_executor(None, _kill, executor)
+
+
+def _context(factory: RecognizerFactory) -> multiprocessing.context.BaseContext:
+    """Where workers come from: the fork server, with this module and the factory's preloaded.
+
+    The preload takes effect when the process's fork server starts (its first pool); it is the
+    same for every pool of the gateway (its one recogniser). ``spawn`` where there is no fork
+    server (Windows)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    target = factory.func if isinstance(factory, functools.partial) else factory
+    modules = [__name__, getattr(target, "__module__", None) or __name__]
+    context.set_forkserver_preload(list(dict.fromkeys(modules)))
+    return context
 
 
 def _kill(executor: concurrent.futures.ProcessPoolExecutor, wait: bool = True) -> None:
