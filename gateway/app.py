@@ -38,6 +38,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
@@ -178,6 +179,8 @@ class Gateway:
     _reload_task: asyncio.Task[None] | None = None
     #: Where speech gathers' turns are recognised (None: no speech gathers, or speech is off).
     recognizer: RecognizerPool | None = None
+    #: The HTTP client every call's webhooks share (an IVR's, from start-up to shutdown).
+    webhooks: httpx.AsyncClient | None = None
 
     @property
     def speech_service(self) -> SpeechService:
@@ -257,6 +260,17 @@ def _recognizer(settings: Settings, plan: LinePlan) -> RecognizerPool | None:
 
     return RecognizerPool(PocketSphinxRecognizer, workers=settings.asr_workers,
                           timeout_s=settings.asr_timeout_s)
+
+
+def webhook_client() -> httpx.AsyncClient:
+    """The one HTTP client the calls' webhooks share.
+
+    A client per webhook paid its TLS set-up (loading the CA bundle: 36 ms of CPU measured,
+    even for an http:// backend) on the event loop, where it stalled every call's audio, and
+    opened a new connection each time. This one is built once, off the loop, and keeps its
+    connections to the backend alive between calls. Each webhook's own deadline bounds its
+    request (:class:`~gateway.ivr.script.Webhook` ``timeout``)."""
+    return httpx.AsyncClient()
 
 
 async def _start_recognizer(gateway: Gateway) -> None:
@@ -356,6 +370,8 @@ def create_app(
             gateway.sip = await _start_sip(gateway, sip_socket)
         if gateway.updater is not None:
             await gateway.updater.start()
+        if gateway.plan is not None:
+            gateway.webhooks = await asyncio.to_thread(webhook_client)
         loader = asyncio.create_task(_load(gateway, engine_factory))
         try:
             yield
@@ -365,6 +381,8 @@ def create_app(
             loader.cancel()
             await cancel_and_wait(gateway._reload_task, log=log, what="the script reloader")
             await lifecycle.close_all()
+            if gateway.webhooks is not None:
+                await gateway.webhooks.aclose()
             if gateway.updater is not None:
                 await gateway.updater.close()
             if gateway.recognizer is not None:
@@ -502,7 +520,7 @@ async def _prepare_ivr(gateway: Gateway, engine: Engine) -> None:
         cache=cache, speech=gateway.speech, engine=engine, conditioning=conditioning(settings),
         clock=gateway.clock, voices_dir=settings.voices_dir,
         render_lazily=settings.render_lazily, recognizer=gateway.recognizer,
-        metrics=gateway.metrics,
+        metrics=gateway.metrics, http=gateway.webhooks,
     )
     version = await builder.build(plan, 1)
     gateway.switchboard = Switchboard(version, gateway.metrics)

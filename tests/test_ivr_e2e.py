@@ -85,9 +85,33 @@ async def _after_stream(live: VirtualServer, call_sid: str) -> ET.Element:
     return ET.fromstring(response.text)
 
 
-def test_account_lookup_then_transfer_to_an_agent(ivr: tuple[VirtualServer, list[Any]]) -> None:
+def test_account_lookup_then_transfer_to_an_agent(
+    ivr: tuple[VirtualServer, list[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     live, _ = ivr
+    # The lookup goes out on the gateway's one webhook client: a client per webhook loaded the
+    # CA bundle (~36 ms of CPU) on the event loop, under every call's audio.
+    shared = live.gateway.webhooks
+    assert shared is not None and not shared.is_closed
+    assert _switchboard_http(live) == {id(shared)}
+    monkeypatch.setattr("gateway.ivr.runner.httpx", _NoNewClients())
     live.run(_account_lookup_then_transfer(ivr))
+
+
+class _NoNewClients:
+    """``httpx`` as the IVR runner sees it, except that building a client fails the test."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "AsyncClient":
+            raise AssertionError("a webhook built its own HTTP client")
+        return getattr(httpx, name)
+
+
+def _switchboard_http(live: VirtualServer) -> set[int]:
+    """Which HTTP clients the installed version's lines hand their webhooks."""
+    switchboard = live.gateway.switchboard
+    assert switchboard is not None
+    return {id(context.http) for context in switchboard.version.contexts.values()}
 
 
 async def _account_lookup_then_transfer(ivr: tuple[VirtualServer, list[Any]]) -> None:

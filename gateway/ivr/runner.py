@@ -657,6 +657,8 @@ class IvrRunner:
         }
         client = self.ctx.http
         own = client is None
+        # The gateway's shared client (gateway.app.webhook_client); only a context built
+        # without one (the script tester, unit tests) pays for a client per webhook.
         client = client or httpx.AsyncClient()
         started = self.clock.now()
         call = WebhookCall(name, hook.url, "ok", 0.0)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import httpx
 import numpy as np
 
 from gateway.asr.pool import RecognizerPool
@@ -91,8 +92,10 @@ class VersionBuilder:
         render_lazily: bool = False,
         recognizer: RecognizerPool | None = None,
         metrics: Metrics | None = None,
+        http: httpx.AsyncClient | None = None,
     ) -> None:
-        """``recognizer``: where speech gathers' turns are recognised (None: keys only)."""
+        """``recognizer``: where speech gathers' turns are recognised (None: keys only).
+        ``http``: the client the calls' webhooks share (None: one per webhook)."""
         self.cache = cache
         self.speech = speech
         self.engine = engine
@@ -102,6 +105,7 @@ class VersionBuilder:
         self.render_lazily = render_lazily
         self.recognizer = recognizer
         self.metrics = metrics
+        self.http = http
 
     async def build(self, plan: LinePlan, number: int, *, background: bool = False) -> Version:
         """Check every script against the model, resolve voices and sounds, render the
@@ -134,6 +138,7 @@ class VersionBuilder:
                 clock=self.clock,
                 sounds=parts.sounds,
                 clones=parts.clones,
+                http=self.http,
                 recognizer=self.recognizer,
                 metrics=self.metrics,
                 line=name,
