@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+import local_http
 from sip_peers import free_port
 
 
@@ -184,7 +185,7 @@ class GatewayProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.base_url}/readyz", timeout=1).status_code == 200:
+                if local_http.get(f"{self.base_url}/readyz", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

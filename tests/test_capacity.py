@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+import local_http
 import pytest
 from conftest import AUTH_TOKEN, LiveServer, serve
 from sip_peers import run_sipp
@@ -42,7 +42,8 @@ def _post(live: LiveServer, path: str, call_sid: str) -> ET.Element:
     url = f"{live.base_url}{path}"
     form = {"CallSid": call_sid, "From": "+15550001111", "To": "+15550002222"}
     signature = RequestValidator(AUTH_TOKEN).compute_signature(url, form)
-    response = httpx.post(url, data=form, headers={"X-Twilio-Signature": signature}, timeout=10)
+    response = local_http.post(url, data=form, headers={"X-Twilio-Signature": signature},
+                               timeout=10)
     assert response.status_code == 200
     return ET.fromstring(response.text)
 
@@ -102,7 +103,7 @@ async def test_the_budget_is_shared_by_webhook_reservations_streams_and_sip(
 
     # What an operator scrapes: turns and first audio split by transport and source, refusals
     # by reason, the drain flag, GPU memory (0 here: no CUDA).
-    metrics = httpx.get(f"{small.base_url}/metrics", timeout=5).text
+    metrics = local_http.get(f"{small.base_url}/metrics", timeout=5).text
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                for line in metrics.splitlines() if line and not line.startswith("#")}
     # (No lines configured: every call is the default line's.)

@@ -20,7 +20,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-import httpx
+import local_http
 import pytest
 from gateway_process import GatewayProcess
 from sip_peers import run_sipp
@@ -50,7 +50,7 @@ def _sip_options(port: int, timeout: float = 3.0) -> int:
 
 
 def _active_calls(gateway: GatewayProcess) -> float:
-    text = httpx.get(f"{gateway.base_url}/metrics", timeout=5).text
+    text = local_http.get(f"{gateway.base_url}/metrics", timeout=5).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -97,16 +97,16 @@ async def test_sigterm_drains_active_calls_and_refuses_new_ones(
             timeline.append((0.0, "SIGTERM"))
 
             await _until(
-                lambda: httpx.get(f"{gateway.base_url}/readyz", timeout=2).status_code == 503,
+                lambda: local_http.get(f"{gateway.base_url}/readyz", timeout=2).status_code == 503,
                 5, "/readyz 503")
             timeline.append((time.monotonic() - t0, "/readyz 503"))
-            ready = httpx.get(f"{gateway.base_url}/readyz", timeout=2).json()
+            ready = local_http.get(f"{gateway.base_url}/readyz", timeout=2).json()
             assert ready["status"] == "draining"
 
             # A new Twilio call: the busy message, then hang-up; no stream.
-            twiml = httpx.post(f"{gateway.base_url}/twilio/voice",
-                               data={"CallSid": "CA" + "9" * 32, "From": "+15550001111"},
-                               timeout=5)
+            twiml = local_http.post(f"{gateway.base_url}/twilio/voice",
+                                    data={"CallSid": "CA" + "9" * 32, "From": "+15550001111"},
+                                    timeout=5)
             root = ET.fromstring(twiml.text)
             assert [child.tag for child in root] == ["Say", "Hangup"], twiml.text
             assert "busy" in (root[0].text or "")
@@ -188,7 +188,7 @@ async def test_second_signal_stops_at_once(tiny_model_dir: Path, tmp_path: Path)
             await call.wait_for(lambda: call.events("media"), timeout=60)
             gateway.signal(signal.SIGTERM)
             await _until(
-                lambda: httpx.get(f"{gateway.base_url}/readyz", timeout=2).status_code == 503,
+                lambda: local_http.get(f"{gateway.base_url}/readyz", timeout=2).status_code == 503,
                 5, "/readyz 503")
             assert gateway.proc is not None and gateway.proc.poll() is None  # draining
             t0 = time.monotonic()

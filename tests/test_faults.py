@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import local_http
 import numpy as np
 import pytest
 import uvicorn
@@ -306,14 +307,15 @@ def _after_stream(live: LiveServer, call_sid: str) -> ET.Element:
     url = f"{live.base_url}/twilio/after-stream"
     form = {"CallSid": call_sid, "AccountSid": "AC" + "0" * 32}
     signature = RequestValidator(AUTH_TOKEN).compute_signature(url, form)
-    response = httpx.post(url, data=form, headers={"X-Twilio-Signature": signature}, timeout=10)
+    response = local_http.post(url, data=form, headers={"X-Twilio-Signature": signature},
+                               timeout=10)
     assert response.status_code == 200
     return ET.fromstring(response.text)
 
 
 def _metric(live: LiveServer, name: str, default: float | None = None) -> float:
     """A sample from /metrics (``default`` for a labelled series not created yet)."""
-    text = httpx.get(f"{live.base_url}/metrics", timeout=10).text
+    text = local_http.get(f"{live.base_url}/metrics", timeout=10).text
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     if match is None and default is not None:
         return default
@@ -416,7 +418,7 @@ async def test_an_unreachable_or_slow_backend_goes_to_the_webhooks_error_node(
     if failure == "refused":
         backend.down()
         with pytest.raises(httpx.ConnectError):
-            httpx.post(f"{backend.url}/accounts/lookup", json={}, timeout=2)
+            local_http.post(f"{backend.url}/accounts/lookup", json={}, timeout=2)
     else:
         backend.delay_s = 3.6  # the demo webhook's timeout is 3 s
     try:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import local_http
 import pytest
 from conftest import AUTH_TOKEN
 from fake_twilio_api import FakeTwilioApi
@@ -210,7 +211,7 @@ async def _twilio_ends_the_stream(call: FakeTwilioCall) -> None:
 
 
 def _metrics(replica: GatewayProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{replica.base_url}/metrics", timeout=5).text
+    text = local_http.get(f"{replica.base_url}/metrics", timeout=5).text
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
@@ -308,7 +309,7 @@ async def test_each_replica_keeps_its_own_budget_and_drains_without_phantom_seat
     # budget, and the caller hears the busy message by a live-call update.
     sid = third.call.call_sid
     update = (await asyncio.to_thread(fleet.api.wait_for, lambda: fleet.api.for_call(sid)))[0]
-    ready = httpx.get(f"{streams.base_url}/readyz", timeout=5).json()
+    ready = local_http.get(f"{streams.base_url}/readyz", timeout=5).json()
     assert _twiml(update.form)[0][0] == "Say" and _twiml(update.form)[1] == ("Hangup", "")
     assert ready["calls"] == 2 and ready["max_calls"] == 2
     assert _metric(streams, "gateway_seats", kind="call") == 2  # never over budget
@@ -329,8 +330,9 @@ async def test_each_replica_keeps_its_own_budget_and_drains_without_phantom_seat
     # A rolling deploy drains the webhooks' replica: its three webhooks for streams that went
     # elsewhere hold nothing, so it exits as soon as its one call is over.
     webhooks.signal(signal.SIGTERM)
-    await _until(lambda: httpx.get(f"{webhooks.base_url}/readyz", timeout=5).status_code == 503,
-                 "the drain to begin")
+    await _until(
+        lambda: local_http.get(f"{webhooks.base_url}/readyz", timeout=5).status_code == 503,
+        "the drain to begin")
     await local.send_dtmf("9")  # the caller picks "goodbye": a hang-up by live-call update
     hangup = (await asyncio.to_thread(fleet.api.wait_for,
                                       lambda: fleet.api.for_call(local.call_sid)))[0]

@@ -28,6 +28,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import httpx
+import local_http
 import pytest
 import uvicorn
 from conftest import AUTH_TOKEN, LiveServer, _free_socket, _server
@@ -178,8 +179,8 @@ async def test_forged_or_malformed_webhooks_get_403_or_400_and_leave_no_state(
 def test_a_signed_webhook_without_call_parameters_reserves_nothing(live: LiveServer) -> None:
     url = f"{live.base_url}/twilio/voice"
     reservations = live.gateway.admission.reservations()
-    response = httpx.post(url, data={}, headers={"x-twilio-signature": _sign(url, {})},
-                          timeout=10)
+    response = local_http.post(url, data={}, headers={"x-twilio-signature": _sign(url, {})},
+                               timeout=10)
     assert response.status_code == 200 and "<Parameter" not in response.text
     assert live.gateway.admission.reservations() == reservations
 
@@ -189,7 +190,7 @@ def test_the_forgeries_are_refused_for_their_forgery_not_their_shape(live: LiveS
     # duplicated parameter signed with both values is what Twilio itself would send.)
     url = f"{live.base_url}/twilio/voice"
     pairs = [*FORM.items(), ("CallSid", "CA" + "2" * 32)]
-    response = httpx.post(url, content=urlencode(pairs).encode(), timeout=10, headers={
+    response = local_http.post(url, content=urlencode(pairs).encode(), timeout=10, headers={
         "content-type": "application/x-www-form-urlencoded", "x-twilio-signature":
         _sign(url, pairs)})
     assert response.status_code == 200 and "<Connect" in response.text
@@ -257,7 +258,7 @@ def test_a_body_just_under_the_limit_is_served(live: LiveServer) -> None:
     form = {**FORM, "Padding": "x" * (MAX_BODY - 400)}
     body = urlencode(form).encode()
     assert MAX_BODY - 1000 < len(body) <= MAX_BODY
-    response = httpx.post(url, content=body, timeout=10, headers={
+    response = local_http.post(url, content=body, timeout=10, headers={
         "content-type": "application/x-www-form-urlencoded", "x-twilio-signature":
         _sign(url, form)})
     assert response.status_code == 200 and "<Connect" in response.text
@@ -309,7 +310,7 @@ def test_a_client_gone_mid_body_is_one_short_line_and_a_counter(
         assert handler.aborted.wait(10), [r.getMessage()[:80] for r in handler.records]
         # The server is unharmed; by the time it answers the next request the aborted one's
         # task has long finished (nothing is left to log for it).
-        assert httpx.get(f"{live.base_url}/healthz", timeout=10).status_code == 200
+        assert local_http.get(f"{live.base_url}/healthz", timeout=10).status_code == 200
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.removeHandler(handler)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import local_http
 import pytest
 from clocks import until
 from conftest import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
@@ -345,7 +345,7 @@ async def test_a_reload_with_calls_up_lets_each_call_finish_on_its_version(
 
 
 def _metric(process: GatewayProcess, name: str) -> float:
-    text = httpx.get(f"{process.base_url}/metrics", timeout=5).text
+    text = local_http.get(f"{process.base_url}/metrics", timeout=5).text
     match = re.search(rf"^{name} (\S+)$", text, re.M)
     return float(match.group(1)) if match else 0.0
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
+import local_http
 import pytest
 from gateway_process import GatewayProcess
 from sip_peers import SippResult, free_port, run_sipp
@@ -149,7 +149,7 @@ class Kamailio:
 
 
 def _calls_total(gateway: GatewayProcess) -> float:
-    text = httpx.get(f"{gateway.base_url}/metrics", timeout=5).text
+    text = local_http.get(f"{gateway.base_url}/metrics", timeout=5).text
     # Summed over the line label (these gateways run the greeter: one line, "default").
     found = re.findall(r'^gateway_calls_total\{[^}]*transport="sip"[^}]*\} (\S+)$', text, re.M)
     return sum(float(value) for value in found)

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import httpx
+import local_http
 import numpy as np
 import pytest
 import soundfile as sf
@@ -100,8 +100,8 @@ def test_start_up_disk_work_runs_off_the_loop_and_the_gateway_keeps_answering(
         assert listening.wait(60), "the server did not start"
         assert reading.wait(120), "start-up never reached the sound files"
         # Start-up is now in the middle of reading a sound file: the loop still answers.
-        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5.0)
-        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5.0)
+        health = local_http.get(f"http://127.0.0.1:{port}/healthz", timeout=5.0)
+        ready = local_http.get(f"http://127.0.0.1:{port}/readyz", timeout=5.0)
         assert health.status_code == 200 and ready.json()["status"] == "loading"
         assert gateway.sip is not None and gateway.sip.local_addr is not None
         assert _options(gateway.sip.local_addr) == 503  # alive, not taking calls yet
