@@ -70,13 +70,18 @@ def run_sipp(
     *,
     local_ip: str = "127.0.0.1",
     calls: int = 1,
-    rate: float = 1.0,
+    rate: float = 100.0,
     limit: int | None = None,
     timeout_s: float = 60,
     workdir: Path,
     extra: list[str] | None = None,
 ) -> SippResult:
-    """Run one SIPp scenario (tests/sipp/NAME.xml) against ``target``; returns its statistics."""
+    """Run one SIPp scenario (tests/sipp/NAME.xml) against ``target``; returns its statistics.
+
+    ``rate``: new calls per second. SIPp exits only at the end of a rate period, so at its own
+    default of 1 call/s even a lone OPTIONS took a full second; a run of one call is the same
+    at any rate, and at 100/s it ends with its call.
+    """
     sipp = require("sipp")
     port = free_port(host=local_ip)
     stat_file = workdir / f"{Path(scenario).stem}-{port}.csv"

@@ -168,15 +168,20 @@ def test_over_capacity_and_draining(sip_gateway: tuple[LiveServer, Any], tmp_pat
         import threading
 
         holder: dict[str, Any] = {}
+        # The call that fills the budget stays up until the gateway hangs it up, once the
+        # second caller has had its 486 (not for a fixed pause that a busy machine outlasts).
         thread = threading.Thread(
             target=lambda: holder.update(
-                result=run_sipp("hold_open.xml", _target(live), workdir=tmp_path)
+                result=run_sipp("call_gateway_bye.xml", _target(live), workdir=tmp_path)
             )
         )
         thread.start()
         _wait(lambda: endpoint.core.active_calls == 1)
+        held = _wait(lambda: next(iter(live.gateway.registry.values()), None))
         busy = run_sipp("busy.xml", _target(live), workdir=tmp_path)
         assert busy.ok, busy.stdout[-3000:]
+        assert endpoint.core.active_calls == 1, "the budget's call must outlast the refusal"
+        asyncio.run_coroutine_threadsafe(held.end(HangUp()), endpoint.loop).result(5)
         thread.join(30)
         assert holder["result"].ok, holder["result"].stdout[-3000:]
     finally:
