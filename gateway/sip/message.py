@@ -293,6 +293,10 @@ def _key(name: str) -> str:
     return _canonical(name).lower()
 
 
+#: (name, lookup key) of each mandatory header field.
+_MANDATORY_KEYS = tuple((name, _key(name)) for name in MANDATORY_HEADERS)
+
+
 class Headers:
     """Ordered, case-insensitive multi-map of SIP header fields (RFC 3261 7.3).
 
@@ -876,24 +880,34 @@ def parse_message(
     start_line, header_lines = lines[0], lines[1:]
 
     # Unfold (RFC 3261 7.3.1): a line starting with SP/HTAB continues the previous field.
-    logical: list[str] = []
-    for number, line in enumerate(header_lines, 2):
-        if line[:1] in (" ", "\t"):
-            if not logical:
-                raise fail(400, f"line {number} is a continuation line with nothing to continue")
-            logical[-1] = logical[-1].rstrip(_WS) + " " + line.strip(_WS)
-        else:
-            if len(logical) >= max_headers:
-                raise fail(400, f"more than {max_headers} header fields")
-            logical.append(line)
+    # Only a head with a line break before SP/HTAB has one (most have none: no loop then).
+    logical: list[str]
+    if b"\n " in head or b"\n\t" in head:
+        logical = []
+        for number, line in enumerate(header_lines, 2):
+            if line[:1] in (" ", "\t"):
+                if not logical:
+                    raise fail(
+                        400, f"line {number} is a continuation line with nothing to continue")
+                logical[-1] = logical[-1].rstrip(_WS) + " " + line.strip(_WS)
+            else:
+                if len(logical) >= max_headers:
+                    raise fail(400, f"more than {max_headers} header fields")
+                logical.append(line)
+    elif len(header_lines) > max_headers:
+        raise fail(400, f"more than {max_headers} header fields")
+    else:
+        logical = header_lines
 
     headers = Headers()
+    fields = headers._fields
     for field_line in logical:
-        colon = field_line.find(":")
-        name = field_line[:colon].rstrip(_WS) if colon > 0 else ""
-        if not _TOKEN_RE.fullmatch(name):
+        name, colon, value = field_line.partition(":")
+        name = name.rstrip(_WS)
+        if not colon or not _TOKEN_RE.fullmatch(name):
             raise fail(400, f"malformed header field: {_short(field_line)}")
-        headers._append(name, field_line[colon + 1 :].strip(_WS))
+        # Headers._append, inlined: the name is a token and the value clean already.
+        fields.append((_key(name), _canonical(name), value.strip(_WS)))
 
     if is_response:
         return _finish_response(start_line, headers, raw_body)
@@ -1011,35 +1025,46 @@ class _Fail(Protocol):
     ) -> SipParseError: ...
 
 
-def _check_common(headers: Headers, fail_: _Fail, partial: SipRequest | None) -> None:
-    """Mandatory header fields and the syntax of those the transaction layer relies on."""
-    missing = [
-        name
-        for name in MANDATORY_HEADERS
-        if not (headers.get_all(name) if name == "Via" else name in headers)
-    ]
+def _check_common(
+    headers: Headers, fail_: _Fail, partial: SipRequest | None
+) -> tuple[int, str]:
+    """Mandatory header fields and the syntax of those the transaction layer relies on.
+
+    Returns the CSeq. Every datagram a UAS takes passes here: the header rows are grouped by
+    name once instead of being scanned for each field asked about."""
+    rows: dict[str, list[str]] = {}
+    for key, _, value in headers._fields:
+        group = rows.get(key)
+        if group is None:
+            rows[key] = [value]
+        else:
+            group.append(value)
+    vias = [part for value in rows.get("via", ()) for part in _split_list(value)]
+    missing = [name for name, key in _MANDATORY_KEYS
+               if not (vias if key == "via" else key in rows)]
     if missing:
         raise fail_(400, f"missing mandatory header field(s): {', '.join(missing)}", partial)
-    for name in ("To", "From", "CSeq", "Call-ID"):
-        if len(headers.rows(name)) > 1:
+    for name, key in _MANDATORY_KEYS:
+        if key != "via" and len(rows[key]) > 1:
             raise fail_(400, f"more than one {name} header field", partial)
     try:
-        for name in ("From", "To"):
-            params = parse_name_addr(headers.get(name) or "").params
+        for name, key in (("From", "from"), ("To", "to")):
+            params = parse_name_addr(rows[key][0]).params
             if "tag" in params and not params["tag"]:
                 raise SipParseError(400, f"{name} tag parameter has no value")
-        for value in headers.get_all("Via"):
+        for value in vias:
             parse_via(value)
-        parse_cseq(headers.get("CSeq") or "")
+        cseq = parse_cseq(rows["cseq"][0])
     except SipParseError as exc:
         raise fail_(400, exc.message, partial) from None
-    call_id = headers.get("Call-ID") or ""
-    if not call_id or any(c in _WS for c in call_id):
+    call_id = rows["call-id"][0]
+    if not call_id or " " in call_id or "\t" in call_id:
         raise fail_(400, f"malformed Call-ID: {_short(call_id)}", partial)
-    for max_forwards in headers.rows("Max-Forwards"):
+    for max_forwards in rows.get("max-forwards", ()):
         if not (_DIGITS_RE.fullmatch(max_forwards) and int(max_forwards) <= 255):
             # RFC 3261 20.22: 0-255; RFC 4475 3.1.2.3 sends 300 expecting a 400.
             raise fail_(400, f"malformed Max-Forwards: {_short(max_forwards)}", partial)
+    return cseq
 
 
 def _finish_request(
@@ -1060,8 +1085,7 @@ def _finish_request(
         raise fail_(400, f"malformed SIP-Version: {_short(version)}", partial)
     if version.upper() != "SIP/2.0":
         raise fail_(505, f"SIP version {version} is not supported", partial)
-    _check_common(headers, fail_, partial)
-    _, cseq_method = parse_cseq(headers.get("CSeq") or "")
+    _, cseq_method = _check_common(headers, fail_, partial)
     if cseq_method != method:
         # RFC 3261 8.1.1.5 (method names are case-sensitive); RFC 4475 3.1.2.16.
         raise fail_(
