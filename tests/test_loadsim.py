@@ -283,13 +283,14 @@ def test_a_slowed_engine_raises_first_audio_latency_accordingly(
     """No script: every key gets a live sentence, so first audio includes the engine."""
     live, engines = greeter
     config = dict(
-        digits=["5", "6"],
+        digits=["5", "6", "7"],
         think_s=0.8,
         listen_s=0.8,
         duration_s=0.1,
         turn_timeout_s=10.0,
         auth_token=AUTH_TOKEN,
     )
+    planted_ms = 500
 
     def dtmf_ttfa() -> float:
         level = run_level(_config(live.base_url, **config), 1, 0)
@@ -299,17 +300,21 @@ def test_a_slowed_engine_raises_first_audio_latency_accordingly(
             for t in c.turns
             if t.kind != "answer" and t.first_audio_ms is not None
         ]
-        assert values and not level.summary()["errors"], level.summary()
-        return sorted(values)[len(values) // 2]
+        assert len(values) == 3 and not level.summary()["errors"], level.summary()
+        # The least of the turns: the other test workers' load only ever adds to a turn's
+        # first audio (a median of two, the larger of them, once made a busy moment look
+        # like the delay had shrunk to 160 ms).
+        return min(values)
 
     baseline = dtmf_ttfa()
-    engines[0].delay_s = 0.4
+    engines[0].delay_s = planted_ms / 1000
     try:
         slowed = dtmf_ttfa()
     finally:
         engines[0].delay_s = 0.0
-    print(f"\nfirst audio after a key: {baseline:.0f} ms, with +400 ms planted: {slowed:.0f} ms")
-    assert 300 <= slowed - baseline <= 600
+    print(f"\nfirst audio after a key: {baseline:.0f} ms, with +{planted_ms} ms planted: "
+          f"{slowed:.0f} ms")
+    assert 0.6 * planted_ms <= slowed - baseline <= planted_ms + 300
 
 
 def test_capacity_for_cached_and_live_speech_and_the_price_of_a_million_characters(
