@@ -347,10 +347,11 @@ class SpeechService:
             if loop.stuck:
                 loop.stuck = False
                 self._healthy += 1
+            # In the same critical section: /metrics never lags the rotation it reports.
+            self._gauges()
             self._cond.notify_all()
         log.warning("tts batch %d: its stuck step returned; rebuilt and back in service",
                     loop.index)
-        self._gauges()
 
     # --- the worker threads -------------------------------------------------------------------
 
@@ -510,12 +511,13 @@ class SpeechService:
                 slot.stuck = False
                 self._healthy += 1
             self.stats.recovered += 1
+            # In the same critical section: /metrics never lags the rotation it reports.
+            self._gauges()
         if returned:
             log.warning("tts slot %d: its stuck step returned; rebuilt and back in service",
                         slot.index)
         else:
             log.warning("tts slot %d rebuilt after a failure", slot.index)
-        self._gauges()
         return True
 
     # --- the watchdog -------------------------------------------------------------------------
