@@ -129,11 +129,12 @@ class Harness:
         backend: Callable[[httpx.Request], httpx.Response] | None = None,
         cache: PromptCache | None = None,
         voice: ResolvedVoice | None = None,
+        transport: MemoryTransport | None = None,
     ) -> None:
         self.script = script
         self.voice = voice if voice is not None else resolve_voice(script)
         self.clock = VirtualClock()
-        self.transport = MemoryTransport()
+        self.transport = transport if transport is not None else MemoryTransport()
         # The phone path of a gateway on default settings: what `gateway prompts render`
         # (the demo cache) conditions with, so the keys match and are true.
         self.conditioning = Conditioning()
@@ -425,6 +426,39 @@ async def test_a_cache_miss_is_rendered_live_then_stored(
     await h2.finished()
     assert [u.cached for u in h2.call.utterances] == [True, True]
     assert np.array_equal(h2.cache.peek(h2.context.key("Hello there.")), first)  # type: ignore[arg-type]
+
+
+class HangsUpAtTheMark(MemoryTransport):
+    """The caller hangs up the moment a prompt's mark comes back: both reach the call before
+    its runner wakes."""
+
+    async def send_mark(self, name: str) -> None:
+        self.log.append(("mark", name))
+        call = self.call
+        assert call is not None
+
+        def played_then_gone() -> None:
+            call.playback_done(name)
+            call.deliver(Hangup(at=call.clock.now()))
+
+        asyncio.get_running_loop().call_soon(played_then_gone)
+
+
+async def test_a_miss_heard_to_the_end_is_stored_when_the_caller_hangs_up_right_then(
+    speech: SpeechService, engine: Engine
+) -> None:
+    # Seen under load in test_faults: the caller heard the whole prompt and hung up, and the
+    # next caller got a miss (the runner took the hang-up before storing the render).
+    script = parse_script(
+        "name: t\nvoice: {speaker: ryan}\nstart: a\nnodes:\n"
+        "  a: {say: 'Hello there.', next: b}\n"
+        "  b: {say: 'Goodbye.', hangup: true}\n"
+    )
+    h = Harness(script, speech, engine, transport=HangsUpAtTheMark())
+    await h.start(prerender=False)
+    await h.finished()
+    assert h.spoken() == ["Hello there."] and h.call.utterances[0].played.is_set()
+    assert h.cache.peek(h.context.key("Hello there.")) is not None
 
 
 async def test_a_sentence_rendered_live_for_the_cache_had_the_seed_its_key_names(

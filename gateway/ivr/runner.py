@@ -313,7 +313,15 @@ class IvrRunner:
                           voice.clone or voice.speaker or "", self.clock.now(),
                           cached=utterance.cached)
             self.trace.heard.append(heard)
-            if not await self._wait_played(utterance, barge_in=barge_in):
+            try:
+                played = await self._wait_played(utterance, barge_in=barge_in)
+            except _CallEnded:
+                # A caller who hangs up the moment a prompt ends heard all of it: its render is
+                # whole, and the next caller gets it from the cache all the same.
+                if utterance.played.is_set():
+                    self._after_utterance(text, voice, utterance)
+                raise
+            if not played:
                 heard.interrupted = True
                 return False
             self._after_utterance(text, voice, utterance)
