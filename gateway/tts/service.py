@@ -334,7 +334,7 @@ class SpeechService:
             loop.retired = True
             self.stats.slots_retired += 1
             if not loop.stuck:
-                self._healthy -= 1
+                self._count_healthy(-1)
             loop.stuck = False
             orphans = self._orphans()
             self._cond.notify_all()
@@ -346,12 +346,11 @@ class SpeechService:
         with self._cond:
             if loop.stuck:
                 loop.stuck = False
-                self._healthy += 1
-            # In the same critical section: /metrics never lags the rotation it reports.
-            self._gauges()
+                self._count_healthy(+1)
             self._cond.notify_all()
         log.warning("tts batch %d: its stuck step returned; rebuilt and back in service",
                     loop.index)
+        self._gauges()
 
     # --- the worker threads -------------------------------------------------------------------
 
@@ -491,7 +490,7 @@ class SpeechService:
             with self._cond:
                 self.stats.slots_retired += 1
                 if not slot.stuck:  # a stuck slot was already taken out of the count
-                    self._healthy -= 1
+                    self._count_healthy(-1)
                 slot.stuck = False
                 orphans = self._orphans()
             self._fail_orphans(orphans)
@@ -509,15 +508,14 @@ class SpeechService:
             returned = slot.stuck
             if returned:
                 slot.stuck = False
-                self._healthy += 1
+                self._count_healthy(+1)
             self.stats.recovered += 1
-            # In the same critical section: /metrics never lags the rotation it reports.
-            self._gauges()
         if returned:
             log.warning("tts slot %d: its stuck step returned; rebuilt and back in service",
                         slot.index)
         else:
             log.warning("tts slot %d rebuilt after a failure", slot.index)
+        self._gauges()
         return True
 
     # --- the watchdog -------------------------------------------------------------------------
@@ -545,7 +543,7 @@ class SpeechService:
             if loop.stuck or loop.retired or loop.beat_at is None:
                 return
             loop.stuck = True
-            self._healthy -= 1
+            self._count_healthy(-1)
             self.stats.stuck_steps += 1
             error = EngineError(
                 f"TTS batch {loop.index} made no progress for {1000 * stalled_s:.0f} ms "
@@ -576,7 +574,7 @@ class SpeechService:
             if stream is None or slot.stuck or slot.beat_at is None:
                 return  # the step came back while we looked
             slot.stuck = True
-            self._healthy -= 1
+            self._count_healthy(-1)
             self.stats.stuck_steps += 1
             listening = not stream.stopping
             if listening:
@@ -617,6 +615,14 @@ class SpeechService:
         self.stats.failed += failed
         if failed:
             log.error("no healthy TTS slot left: failed %d queued turn(s)", failed)
+
+    def _count_healthy(self, delta: int) -> None:
+        # Under self._cond, where a slot or loop enters or leaves rotation: the gauge moves in
+        # the same critical section as the count, so /metrics never reports a rotation the
+        # service has already left (it lagged by a few statements, and a scrape saw it).
+        self._healthy += delta
+        if self.metrics is not None:
+            self.metrics.tts_slots_healthy.set(self._healthy)
 
     def _gauges(self) -> None:
         if self.metrics is None:
