@@ -900,14 +900,12 @@ def parse_message(
         logical = header_lines
 
     headers = Headers()
-    fields = headers._fields
     for field_line in logical:
         name, colon, value = field_line.partition(":")
         name = name.rstrip(_WS)
         if not colon or not _TOKEN_RE.fullmatch(name):
             raise fail(400, f"malformed header field: {_short(field_line)}")
-        # Headers._append, inlined: the name is a token and the value clean already.
-        fields.append((_key(name), _canonical(name), value.strip(_WS)))
+        headers._append(name, value.strip(_WS))
 
     if is_response:
         return _finish_response(start_line, headers, raw_body)
