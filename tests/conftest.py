@@ -48,10 +48,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def _exit_without_teardown() -> None:
-    # The last exit handler of a pytest-xdist worker whose session finished: the results went
-    # to the controller already, every other handler has run (this one was registered first),
-    # and what is left is the interpreter freeing torch's heap and modules: ~3 s per worker,
-    # measured, while the controller waits for the last one to exit.
+    # An exit handler of a pytest-xdist worker whose session finished: the results went to
+    # the controller already, and the handlers registered after this one (at conftest import:
+    # the gateway zygote's, multiprocessing's, torch's) have run, since exit handlers run last
+    # in, first out. What is left is the interpreter freeing torch's heap and modules: ~3 s
+    # per worker, measured, while the controller waits for the last one to exit.
     if _finished:
         sys.stdout.flush()
         sys.stderr.flush()
