@@ -42,6 +42,7 @@ import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from gateway import heap
 from gateway.aio import cancel_and_wait
 from gateway.asr.pool import RecognizerPool
 from gateway.audio.condition import Conditioning
@@ -177,6 +178,8 @@ class Gateway:
     #: Live-call updates through Twilio's REST API (GATEWAY_TWILIO_ACCOUNT_SID), or None.
     updater: CallUpdater | None = None
     _reload_task: asyncio.Task[None] | None = None
+    #: Whether this gateway holds the start-up heap frozen (:mod:`gateway.heap`), once ready.
+    _heap_held: bool = False
     #: Where speech gathers' turns are recognised (None: no speech gathers, or speech is off).
     recognizer: RecognizerPool | None = None
     #: The HTTP client every call's webhooks share (an IVR's, from start-up to shutdown).
@@ -389,6 +392,9 @@ def create_app(
                 await gateway.recognizer.close()
             if gateway.speech is not None:
                 await asyncio.to_thread(gateway.speech.stop)
+            if gateway._heap_held:
+                gateway._heap_held = False
+                heap.release()
 
     app = FastAPI(title="Qwen3-TTS IVR gateway", lifespan=lifespan)
     app.state.gateway = gateway
@@ -474,6 +480,10 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
             log.exception("preparing the IVR script failed")
             gateway.readiness.fail(f"preparing the IVR script failed: {exc}")
             return
+    # Everything start-up built lives as long as the process: out of the collector's full
+    # collections, which would otherwise stop every call's media for ~0.3 s (gateway/heap.py).
+    heap.hold()
+    gateway._heap_held = True
     if gateway.dialogs.installed is None:
         if gateway.switchboard is not None:
             gateway.dialogs.install(gateway.switchboard)
