@@ -4,25 +4,27 @@ In-process servers (conftest ``serve``) cannot receive SIGTERM the way a contain
 these can. Output goes to a log file the test can read (and shows on failure).
 
 By default the process is forked from a parent that has already imported the gateway and its
-model libraries (``tests/gateway_zygote.py``, one per test worker): it runs the same
-``gateway/__main__.py`` with its own environment, signals and exit code, without the ~7 CPU-s
-of imports each start would cost. ``exec_=True`` starts ``python -m gateway serve`` itself.
+model libraries (``tests/gateway_zygote.py``, one per test run, shared by its workers): it
+runs the same ``gateway/__main__.py`` with its own environment, signals and exit code, without
+the ~7 CPU-s of imports each start would cost. ``exec_=True`` starts ``python -m gateway
+serve`` itself.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import httpx
 import local_http
@@ -59,28 +61,60 @@ class ForkedProcess:
 
 
 class _Zygote:
-    """The per-worker parent process of forked gateways (``tests/gateway_zygote.py``)."""
+    """This worker's connection to the test run's parent of forked gateways
+    (``tests/gateway_zygote.py``): the first worker that needs one starts it, the others
+    connect to it."""
 
     _instance: _Zygote | None = None
     _lock = threading.Lock()
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("gateway_zygote.py"))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self._stdin: IO[str] = self.proc.stdin
-        self._stdout: IO[str] = self.proc.stdout
+        # The test run: the xdist controller (a worker's parent), or this process alone.
+        root = os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(root))
+        path = Path(tempfile.gettempdir()) / f"gateway-zygote-{run[:16]}.sock"
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one worker starts it, the others wait for it
+            try:
+                self._sock = self._connect(path)
+            except (FileNotFoundError, ConnectionRefusedError):
+                path.unlink(missing_ok=True)  # a zygote of this run that has died
+                self._start(path, root)
+                self._sock = self._connect(path)
+        self._stdout = self._sock.makefile("r")
         self._children: dict[int, ForkedProcess] = {}
         self._spawned: list[int] = []
+        self.alive = True
         self._reply = threading.Condition()
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+
+    @staticmethod
+    def _connect(path: Path) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    @staticmethod
+    def _start(path: Path, root: int) -> None:
+        """Start the zygote (it outlives this worker: it exits with the test run) and wait
+        until it listens."""
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("gateway_zygote.py")), str(path),
+             str(root)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+        )
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the gateway zygote exited {proc.wait()} before it listened")
+        proc.stdout.close()
 
     @classmethod
     def get(cls) -> _Zygote:
         with cls._lock:
-            if cls._instance is None or cls._instance.proc.poll() is not None:
+            if cls._instance is None or not cls._instance.alive:
                 cls._instance = cls()
                 atexit.register(cls._instance.close)
             return cls._instance
@@ -97,6 +131,7 @@ class _Zygote:
                     if child is not None:
                         child._exited(message["code"])
         with self._reply:  # the zygote died: its children are gone with it
+            self.alive = False
             for child in self._children.values():
                 child._exited(-signal.SIGKILL)
             self._children.clear()
@@ -104,27 +139,26 @@ class _Zygote:
 
     def spawn(self, argv: list[str], env: dict[str, str], log: Path,
               timeout: float = 120) -> ForkedProcess:
-        """Fork ``python -m gateway *argv``; one request at a time (the zygote reads a line
-        per fork)."""
+        """Fork ``python -m gateway *argv``; one request at a time (replies come in order)."""
         with self._lock, self._reply:
-            self._stdin.write(json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(),
-                                          "log": str(log)}) + "\n")
-            self._stdin.flush()
-            if not self._reply.wait_for(lambda: self._spawned or self.proc.poll() is not None,
-                                        timeout):
+            request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(),
+                                  "log": str(log)}) + "\n"
+            self._sock.sendall(request.encode())
+            if not self._reply.wait_for(lambda: self._spawned or not self.alive, timeout):
                 raise RuntimeError(f"the gateway zygote did not fork in {timeout} s")
             if not self._spawned:
-                raise RuntimeError(f"the gateway zygote exited {self.proc.returncode}")
+                raise RuntimeError("the gateway zygote went away")
             child = ForkedProcess(self._spawned.pop(0))
             self._children[child.pid] = child
             return child
 
     def close(self) -> None:
+        """Hang up: the zygote kills what this worker left running."""
         try:
-            self._stdin.close()  # the zygote kills what is left and exits
-            self.proc.wait(10)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
 
 
 @dataclass

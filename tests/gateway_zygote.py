@@ -2,31 +2,36 @@
 
 Every gateway process a test starts spends ~7 CPU-s importing torch, transformers and qwen_tts
 (librosa, scikit-learn and scipy with them) before it touches the model; the suite starts
-about ten. This process pays that once per test worker: it imports everything ``python -m
-gateway serve`` imports, then forks on request. The child runs ``gateway/__main__.py`` as
-``python -m gateway`` would (``runpy``, ``sys.argv``, its own environment, stdout and stderr
-to the test's log file), so it is a real process with its own signal handlers, SIGTERM and
-SIGHUP included, and its exit code is the command's. At exit it joins its non-daemon threads
-and runs the ``atexit`` handlers, as an interpreter does.
+about ten. This process pays that once per test run: it imports everything ``python -m
+gateway serve`` imports, then forks on request, for every test worker of the run (each
+connects to its Unix socket). The child runs ``gateway/__main__.py`` as ``python -m gateway``
+would (``runpy``, ``sys.argv``, its own environment, stdout and stderr to the test's log
+file), so it is a real process with its own signal handlers, SIGTERM and SIGHUP included, and
+its exit code is the command's. At exit it joins its non-daemon threads and runs the
+``atexit`` handlers, as an interpreter does.
 
 Forking is safe only from a single-threaded parent: nothing here starts a thread (checked
 before every fork; torch's OpenMP pool starts at the first operation, which never runs here).
 
-Protocol, one JSON object per line. In (stdin): ``{"argv": [...], "env": {...}, "cwd": ...,
-"log": path}``. Out (stdout): ``{"pid": n}`` for each request, in order, and ``{"exit": n,
-"code": c}`` when child ``n`` ends (``c`` as ``subprocess.Popen.returncode``: minus the
-signal's number when a signal ended it). When stdin closes (the test worker exited), the
-children left are killed and this process exits.
+Usage: ``gateway_zygote.py SOCKET ROOT_PID``. It says ``ready`` on stdout once it listens, and
+exits (killing the children left) when process ``ROOT_PID`` (the test run) ends. Protocol, one
+JSON object per line on a connection. In: ``{"argv": [...], "env": {...}, "cwd": ...,
+"log": path}``. Out: ``{"pid": n}`` for each request, in order, and ``{"exit": n, "code":
+c}`` when child ``n`` ends (``c`` as ``subprocess.Popen.returncode``: minus the signal's
+number when a signal ended it). When a connection closes (its test worker exited), the
+children it asked for that are left are killed.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
 import selectors
 import signal
+import socket
 import sys
 import threading
 from typing import Any, NoReturn
@@ -47,9 +52,11 @@ def _preload() -> None:
     import gateway.tts.qwen  # noqa: F401
 
 
-def _child(request: dict[str, Any]) -> NoReturn:
+def _child(request: dict[str, Any], inherited: list[int]) -> NoReturn:
     code: int = 1
     try:
+        for fd in inherited:  # the zygote's socket, connections, selector and pidfds
+            os.close(fd)
         fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -87,50 +94,90 @@ def _child(request: dict[str, Any]) -> NoReturn:
 
 
 def main() -> None:
+    path, root = sys.argv[1], int(sys.argv[2])
     sys.path[0] = os.getcwd()
-    # The replies keep the stdout pipe to themselves: what libraries print on import (qwen_tts
-    # prints a flash-attn notice, which a gateway started by exec logs) is dropped.
+    # The replies go over the connections: what libraries print on import (qwen_tts prints a
+    # flash-attn notice, which a gateway started by exec logs) is dropped.
     out = os.fdopen(os.dup(1), "w")
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.close(null)
     _preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
     selector = selectors.DefaultSelector()
-    selector.register(sys.stdin, selectors.EVENT_READ, None)
-    children: dict[int, int] = {}  # pidfd -> pid
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    run = os.pidfd_open(root)
+    selector.register(run, selectors.EVENT_READ, "run")
+    out.write("ready\n")
+    out.close()
+    pending: dict[socket.socket, bytes] = {}  # connection -> bytes short of a line
+    children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, who asked)
 
-    def say(message: dict[str, Any]) -> None:
-        out.write(json.dumps(message) + "\n")
-        out.flush()
+    def say(conn: socket.socket, message: dict[str, Any]) -> None:
+        if conn in pending:
+            try:
+                conn.sendall((json.dumps(message) + "\n").encode())
+            except OSError:
+                pass  # the worker went away; its connection's EOF cleans up
 
-    while True:
-        for key, _ in selector.select():
-            if key.data is None:
-                line = sys.stdin.readline()
-                if not line:
-                    for pid in children.values():
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                    return
-                if threading.active_count() != 1:
-                    raise RuntimeError(f"not forking with threads: {threading.enumerate()}")
-                request = json.loads(line)
-                pid = os.fork()
-                if pid == 0:
-                    _child(request)
-                pidfd = os.pidfd_open(pid)
-                children[pidfd] = pid
-                selector.register(pidfd, selectors.EVENT_READ, pid)
-                say({"pid": pid})
-            else:
-                pidfd = key.fd
-                pid = children.pop(pidfd)
-                selector.unregister(pidfd)
-                os.close(pidfd)
-                _, status = os.waitpid(pid, 0)
-                say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+    def kill(pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def fork(conn: socket.socket, request: dict[str, Any]) -> None:
+        if threading.active_count() != 1:
+            raise RuntimeError(f"not forking with threads: {threading.enumerate()}")
+        inherited = [listener.fileno(), run, selector.fileno(), *children,
+                     *(c.fileno() for c in pending)]
+        pid = os.fork()
+        if pid == 0:
+            _child(request, inherited)
+        pidfd = os.pidfd_open(pid)
+        children[pidfd] = (pid, conn)
+        selector.register(pidfd, selectors.EVENT_READ, "child")
+        say(conn, {"pid": pid})
+
+    try:
+        while True:
+            for key, _ in selector.select():
+                if key.data == "accept":
+                    conn, _ = listener.accept()
+                    pending[conn] = b""
+                    selector.register(conn, selectors.EVENT_READ, "conn")
+                elif key.data == "run":
+                    return  # the test run is over
+                elif key.data == "conn":
+                    conn = key.fileobj  # type: ignore[assignment]
+                    data = conn.recv(65536)
+                    if not data:
+                        selector.unregister(conn)
+                        del pending[conn]
+                        conn.close()
+                        for pid, owner in children.values():
+                            if owner is conn:
+                                kill(pid)
+                        continue
+                    *lines, pending[conn] = (pending[conn] + data).split(b"\n")
+                    for line in lines:
+                        fork(conn, json.loads(line))
+                else:
+                    pidfd = key.fd
+                    pid, owner = children.pop(pidfd)
+                    selector.unregister(pidfd)
+                    os.close(pidfd)
+                    _, status = os.waitpid(pid, 0)
+                    say(owner, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+    finally:
+        for pid, _ in children.values():
+            kill(pid)
+        listener.close()
+        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):  # the workers' start-up lock, if any
+            os.unlink(os.path.splitext(path)[0] + ".lock")
 
 
 if __name__ == "__main__":
