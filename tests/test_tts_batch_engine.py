@@ -6,6 +6,7 @@ exact: turns join and leave at chosen frames, sit steps out, and run in batches 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from gateway import heap
 from gateway.errors import EngineError
 from gateway.tts import batched as batched_module
 from gateway.tts.batch_cache import RowKVCache
@@ -477,3 +479,26 @@ def test_closing_a_row_moves_the_last_row_into_its_place(
     while rows[2].finished is None:
         engine.step([r for r in rows[1:] if r.finished is None])
     assert torch.equal(_codes(rows[2]), solo)
+
+
+def test_a_rebuild_frees_the_old_buffers_and_graphs_with_the_start_up_heap_frozen(
+    shared: QwenModel,
+) -> None:
+    """A ready gateway freezes its start-up heap (gateway/heap.py), and a frozen object in a
+    reference cycle is never collected. So what an engine held before a rebuild (its KV cache,
+    its state, its captured steps: GPU memory on CUDA) must be freed by reference counting
+    alone, or every engine failure would leak it."""
+    engine = BatchedQwenEngine(shared, max_rows=2, trim_leading_silence=False)
+    assert list(engine.stream(SpeechRequest(text="Hi.", seed=1, max_frames=3, min_frames=3)))
+    assert engine._graphs, "a step was run: its replayer exists"
+    old = [weakref.ref(t) for t in (*engine._kv.keys, *engine._kv.values, engine._seen,
+                                     engine._token)]
+    old += [weakref.ref(graph) for graph in engine._graphs.values()]
+    heap.hold()
+    try:
+        engine.rebuild()
+        alive = [ref for ref in old if ref() is not None]
+        assert not alive, f"{len(alive)} of {len(old)} old objects outlived the rebuild"
+    finally:
+        heap.release()
+    assert list(engine.stream(SpeechRequest(text="Hi.", seed=1, max_frames=3, min_frames=3)))

@@ -8,12 +8,14 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from gateway import heap
 from gateway.errors import EngineError, ModelLoadError
 from gateway.tts.engine import SAMPLES_PER_FRAME, Engine, SpeechRequest
 from gateway.tts.qwen import (
@@ -300,3 +302,22 @@ async def test_engine_failure_mid_utterance_surfaces_as_engine_error() -> None:
         assert len(await stream2.__anext__()) == SAMPLES_PER_FRAME
     finally:
         service.stop()
+
+
+def test_a_cpu_rebuild_frees_the_old_graph_holders_with_the_start_up_heap_frozen(
+    tiny_engine: QwenEngine,
+) -> None:
+    """A ready gateway freezes its start-up heap out of the cycle collector (gateway/heap.py):
+    the graph holders (and their static caches) a CPU rebuild replaces must go by reference
+    counting alone. Their eager replayer once held its holder's step strongly: a cycle."""
+    assert list(tiny_engine.stream(SpeechRequest(text="Hi.", seed=1, max_frames=2)))
+    wrapper = tiny_engine._wrapper
+    old = [weakref.ref(wrapper.predictor_graph), weakref.ref(wrapper.talker_graph)]
+    del wrapper
+    heap.hold()
+    try:
+        tiny_engine.rebuild()
+        assert [ref() for ref in old] == [None, None]
+    finally:
+        heap.release()
+    assert list(tiny_engine.stream(SpeechRequest(text="Hi.", seed=1, max_frames=2)))

@@ -24,6 +24,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,10 +59,16 @@ class _EagerReplay:
     """
 
     def __init__(self, step: Callable[[], Any]) -> None:
-        self._step = step
+        # ``step`` is a method of the graph holder that keeps this replayer: a strong reference
+        # would make a cycle, and a ready gateway freezes its start-up heap out of the cycle
+        # collector (gateway/heap.py), so a rebuild's old holders (their static caches) would
+        # never be freed. Weakly: the holder goes when its owner drops it.
+        self._step = weakref.WeakMethod(step)
 
     def replay(self) -> None:
-        self._step()
+        step = self._step()
+        assert step is not None, "replayed after its graph holder was freed"
+        step()
 
 
 def _eager_capture(graph_obj: Any) -> None:
@@ -697,13 +704,19 @@ def _graph_holders(shared: QwenModel, max_seq_len: int) -> Any:
     talker_graph = TalkerGraph(
         talker.model, talker_config, device=graph_device, dtype=torch_dtype, max_seq_len=max_seq_len
     )
-    library_masks = talker_graph._build_attention_masks
+    # The patched methods reach their holder through a weak proxy: stored on the holder, a
+    # strong reference would make a cycle, and a ready gateway freezes its start-up heap out of
+    # the cycle collector (gateway/heap.py), so the holders a CPU rebuild replaces (and their
+    # static caches) would never be freed.
+    talker_ref = weakref.proxy(talker_graph)
+    predictor_ref = weakref.proxy(predictor_graph)
+    library_masks = functools.partial(TalkerGraph._build_attention_masks, talker_ref)
     talker_graph._build_attention_masks = functools.partial(
-        build_mask_table, talker_graph, fallback=library_masks
+        build_mask_table, talker_ref, fallback=library_masks
     )
     if not shared.on_cuda:
-        predictor_graph.capture = lambda num_warmup=0: _eager_capture(predictor_graph)
-        talker_graph.capture = lambda prefill_len=0, num_warmup=0: _eager_capture(talker_graph)
+        predictor_graph.capture = lambda num_warmup=0: _eager_capture(predictor_ref)
+        talker_graph.capture = lambda prefill_len=0, num_warmup=0: _eager_capture(talker_ref)
     with _quiet_stdout():
         return FasterQwen3TTS(
             base_model=base,
