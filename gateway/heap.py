@@ -14,6 +14,11 @@ usual, and a full collection walks only that. ``bench/gc_pause.py`` measures the
 before and after. Freezing is O(1) (the generation lists are spliced), so it is done without a
 collection first: the few start-up cycles already garbage then stay until :func:`release`.
 
+The price: a frozen object that later falls out of use inside a reference cycle is never
+freed. What start-up builds and later replaces must go by reference counting alone; the
+engines' rebuild after a failure is the one that matters (its KV cache and graphs: GPU memory),
+and tests/test_tts_engine.py and tests/test_tts_batch_engine.py check that it does.
+
 Several gateways can share a process (the test suite runs them in-process): the heap stays
 frozen while any of them holds it, and is handed back to the collector when the last one lets
 go.
