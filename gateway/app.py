@@ -379,22 +379,25 @@ def create_app(
         try:
             yield
         finally:
-            if gateway.sip is not None:
-                await gateway.sip.stop()
-            loader.cancel()
-            await cancel_and_wait(gateway._reload_task, log=log, what="the script reloader")
-            await lifecycle.close_all()
-            if gateway.webhooks is not None:
-                await gateway.webhooks.aclose()
-            if gateway.updater is not None:
-                await gateway.updater.close()
-            if gateway.recognizer is not None:
-                await gateway.recognizer.close()
-            if gateway.speech is not None:
-                await asyncio.to_thread(gateway.speech.stop)
-            if gateway._heap_held:
-                gateway._heap_held = False
-                heap.release()
+            try:
+                if gateway.sip is not None:
+                    await gateway.sip.stop()
+                loader.cancel()
+                await cancel_and_wait(gateway._reload_task, log=log,
+                                      what="the script reloader")
+                await lifecycle.close_all()
+                if gateway.webhooks is not None:
+                    await gateway.webhooks.aclose()
+                if gateway.updater is not None:
+                    await gateway.updater.close()
+                if gateway.recognizer is not None:
+                    await gateway.recognizer.close()
+                if gateway.speech is not None:
+                    await asyncio.to_thread(gateway.speech.stop)
+            finally:
+                if gateway._heap_held:
+                    gateway._heap_held = False
+                    heap.release()
 
     app = FastAPI(title="Qwen3-TTS IVR gateway", lifespan=lifespan)
     app.state.gateway = gateway

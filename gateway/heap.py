@@ -14,14 +14,17 @@ usual, and a full collection walks only that. ``bench/gc_pause.py`` measures the
 before and after. Freezing is O(1) (the generation lists are spliced), so it is done without a
 collection first: the few start-up cycles already garbage then stay until :func:`release`.
 
-The price: a frozen object that later falls out of use inside a reference cycle is never
-freed. What start-up builds and later replaces must go by reference counting alone; the
-engines' rebuild after a failure is the one that matters (its KV cache and graphs: GPU memory),
-and tests/test_tts_engine.py and tests/test_tts_batch_engine.py check that it does.
+The price: an object frozen here that later falls out of use inside a reference cycle stays
+until the gateway stops (what is built after start-up is collected as usual). That is a
+one-time cost for what start-up builds and later replaces: the first version of the scripts
+after a reload, and the engines' buffers and graphs after a failure's rebuild, the one that
+matters (GPU memory). Those go by reference counting alone; tests/test_tts_engine.py and
+tests/test_tts_batch_engine.py check it.
 
-Several gateways can share a process (the test suite runs them in-process): the heap stays
-frozen while any of them holds it, and is handed back to the collector when the last one lets
-go.
+A process can hold it more than once (the test suite runs gateways in-process): the first
+hold freezes, later ones only count, so the garbage of other work in the process is not
+frozen with each; the last one to let go hands the frozen objects back to the collector. A
+served gateway is its process's only holder.
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ _holders = 0
 
 
 def hold() -> None:
-    """Freeze what is tracked now (call once start-up is done) and count this holder."""
+    """Count this holder; the first one freezes what is tracked now (call it once start-up is
+    done)."""
     global _holders
     with _lock:
-        gc.freeze()
         _holders += 1
+        if _holders > 1:
+            return
+        gc.freeze()
         frozen = gc.get_freeze_count()
     log.info("start-up heap frozen: %d objects out of the collector's full collections", frozen)
 

@@ -16,6 +16,7 @@ import atexit
 import fcntl
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -107,6 +108,10 @@ class _Zygote:
              str(root)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
         )
         assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        if not ready:
+            proc.kill()
+            raise RuntimeError("the gateway zygote did not listen in 120 s")
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the gateway zygote exited {proc.wait()} before it listened")
         proc.stdout.close()
@@ -120,22 +125,26 @@ class _Zygote:
             return cls._instance
 
     def _read(self) -> None:
-        for line in self._stdout:
-            message = json.loads(line)
-            with self._reply:
-                if "pid" in message:
-                    self._spawned.append(message["pid"])
-                    self._reply.notify_all()
-                else:
-                    child = self._children.pop(message["exit"], None)
-                    if child is not None:
-                        child._exited(message["code"])
-        with self._reply:  # the zygote died: its children are gone with it
-            self.alive = False
-            for child in self._children.values():
-                child._exited(-signal.SIGKILL)
-            self._children.clear()
-            self._reply.notify_all()
+        try:
+            for line in self._stdout:
+                message = json.loads(line)
+                with self._reply:
+                    if "pid" in message:
+                        self._spawned.append(message["pid"])
+                        self._reply.notify_all()
+                    else:
+                        child = self._children.pop(message["exit"], None)
+                        if child is not None:
+                            child._exited(message["code"])
+        except (OSError, ValueError):
+            pass  # a reset or a torn line: the zygote is gone all the same
+        finally:
+            with self._reply:  # the zygote died: its children are gone with it
+                self.alive = False
+                for child in self._children.values():
+                    child._exited(-signal.SIGKILL)
+                self._children.clear()
+                self._reply.notify_all()
 
     def spawn(self, argv: list[str], env: dict[str, str], log: Path,
               timeout: float = 120) -> ForkedProcess:

@@ -141,29 +141,45 @@ def main() -> None:
         selector.register(pidfd, selectors.EVENT_READ, "child")
         say(conn, {"pid": pid})
 
+    def hang_up(conn: socket.socket) -> None:
+        """A worker went away (or sent what is not a request): kill what it left running."""
+        selector.unregister(conn)
+        del pending[conn]
+        conn.close()
+        for pid, owner in children.values():
+            if owner is conn:
+                kill(pid)
+
+    bound = os.stat(path).st_ino
     try:
         while True:
             for key, _ in selector.select():
                 if key.data == "accept":
-                    conn, _ = listener.accept()
+                    try:
+                        conn, _ = listener.accept()
+                    except OSError:
+                        continue  # the worker gave up connecting
                     pending[conn] = b""
                     selector.register(conn, selectors.EVENT_READ, "conn")
                 elif key.data == "run":
                     return  # the test run is over
                 elif key.data == "conn":
                     conn = key.fileobj  # type: ignore[assignment]
-                    data = conn.recv(65536)
+                    try:
+                        data = conn.recv(65536)
+                    except OSError:  # reset: it exited with replies unread
+                        data = b""
                     if not data:
-                        selector.unregister(conn)
-                        del pending[conn]
-                        conn.close()
-                        for pid, owner in children.values():
-                            if owner is conn:
-                                kill(pid)
+                        hang_up(conn)
                         continue
                     *lines, pending[conn] = (pending[conn] + data).split(b"\n")
-                    for line in lines:
-                        fork(conn, json.loads(line))
+                    try:
+                        requests = [json.loads(line) for line in lines]
+                    except ValueError:
+                        hang_up(conn)  # one worker's garbage ends its connection, not the run
+                        continue
+                    for request in requests:
+                        fork(conn, request)
                 else:
                     pidfd = key.fd
                     pid, owner = children.pop(pidfd)
@@ -174,11 +190,12 @@ def main() -> None:
     finally:
         for pid, _ in children.values():
             kill(pid)
+        # The socket's name first, so no worker connects to a closing listener; only if it is
+        # still ours. The lock file stays: unlinking a file others may hold a flock on races.
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == bound:
+                os.unlink(path)
         listener.close()
-        os.unlink(path)
-        with contextlib.suppress(FileNotFoundError):  # the workers' start-up lock, if any
-            os.unlink(os.path.splitext(path)[0] + ".lock")
-
 
 if __name__ == "__main__":
     main()

@@ -61,13 +61,15 @@ class _EagerReplay:
     def __init__(self, step: Callable[[], Any]) -> None:
         # ``step`` is a method of the graph holder that keeps this replayer: a strong reference
         # would make a cycle, and a ready gateway freezes its start-up heap out of the cycle
-        # collector (gateway/heap.py), so a rebuild's old holders (their static caches) would
-        # never be freed. Weakly: the holder goes when its owner drops it.
+        # collector (gateway/heap.py), so the start-up holders a CPU rebuild replaces (their
+        # static caches) would stay until the gateway stops. Weakly: the holder goes when its
+        # owner drops it.
         self._step = weakref.WeakMethod(step)
 
     def replay(self) -> None:
         step = self._step()
-        assert step is not None, "replayed after its graph holder was freed"
+        if step is None:
+            raise RuntimeError("eager replay after its graph holder was freed")
         step()
 
 
@@ -706,8 +708,8 @@ def _graph_holders(shared: QwenModel, max_seq_len: int) -> Any:
     )
     # The patched methods reach their holder through a weak proxy: stored on the holder, a
     # strong reference would make a cycle, and a ready gateway freezes its start-up heap out of
-    # the cycle collector (gateway/heap.py), so the holders a CPU rebuild replaces (and their
-    # static caches) would never be freed.
+    # the cycle collector (gateway/heap.py), so the start-up holders a CPU rebuild replaces
+    # (and their static caches) would stay until the gateway stops.
     talker_ref = weakref.proxy(talker_graph)
     predictor_ref = weakref.proxy(predictor_graph)
     library_masks = functools.partial(TalkerGraph._build_attention_masks, talker_ref)
