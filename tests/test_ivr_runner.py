@@ -9,6 +9,7 @@ over real sockets in test_ivr_e2e.py). Gather timeouts and webhook deadlines run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -47,11 +48,21 @@ INSTANT = PlayoutPolicy(lead_s=3600.0, max_frames_per_send=1000, far_end_marks=T
                         buffer_frames=10**6)
 
 _open_calls: list[Call] = []
+_open_runners: list[asyncio.Task[None]] = []
 
 
 @pytest.fixture(autouse=True)
 async def _close_calls() -> AsyncIterator[None]:
     yield
+    # A runner a test leaves mid-call is stopped here. Left pending in the session's loop, it
+    # is reachable from nothing: the garbage collector destroys it during some later test,
+    # and its trace record lands in that test's log.
+    while _open_runners:
+        task = _open_runners.pop()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     while _open_calls:
         await _open_calls.pop().close()
 
@@ -181,6 +192,7 @@ class Harness:
                 self.conditioning,
             )
         self.task = asyncio.create_task(self.runner.run())
+        _open_runners.append(self.task)
 
     async def waiting_for_input(self, timeout: float = 60) -> None:
         """Until the runner sits in a *new* gather timeout (everything before it has played)."""
