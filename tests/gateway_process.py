@@ -74,8 +74,11 @@ class _Zygote:
         root = os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
         run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(root))
         path = Path(tempfile.gettempdir()) / f"gateway-zygote-{run[:16]}.sock"
-        with open(path.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one worker starts it, the others wait for it
+        # One worker starts it, the others wait for it. One lock file for every run (never
+        # unlinked: unlinking a file others may hold a flock on races); runs only queue for it
+        # while one of them starts its zygote.
+        with open(path.with_name("gateway-zygote.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 self._sock = self._connect(path)
             except (FileNotFoundError, ConnectionRefusedError):

@@ -191,11 +191,12 @@ def main() -> None:
         for pid, _ in children.values():
             kill(pid)
         # The socket's name first, so no worker connects to a closing listener; only if it is
-        # still ours. The lock file stays: unlinking a file others may hold a flock on races.
+        # still ours.
         with contextlib.suppress(FileNotFoundError):
             if os.stat(path).st_ino == bound:
                 os.unlink(path)
         listener.close()
+
 
 if __name__ == "__main__":
     main()
