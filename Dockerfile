@@ -77,9 +77,11 @@ FROM deps AS app
 COPY README.md ./
 COPY gateway ./gateway
 # --no-deps: every dependency came from this same pyproject.toml above; `pip check` proves it.
+# The import also compiles librosa's numba functions into its cache beside its sources (~20 CPU-s
+# that every replica's start would otherwise spend; see run.sh).
 RUN pip install --no-cache-dir --no-deps . \
     && pip check \
-    && python -c "import qwen_tts, faster_qwen3_tts, torchaudio, gateway.app"
+    && python -c "import qwen_tts, faster_qwen3_tts, torchaudio, gateway.app, librosa.core.audio, librosa.util.utils"
 
 # --- prompts: the scripts' fixed sentences, rendered into the prompt cache -----------------------
 FROM app AS prompts

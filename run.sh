@@ -24,6 +24,10 @@ setup() {
   "$VENV/bin/python" -m pip install -q "${TORCH_PAIR[@]}"
   "$VENV/bin/python" -m pip install -q -e ".[test]"
   "$VENV/bin/python" -c "import qwen_tts, faster_qwen3_tts, torchaudio" >/dev/null
+  # librosa (qwen_tts's audio library) compiles its numba functions the first time they are
+  # imported and caches them beside its sources: ~20 CPU-s, in every process that imports it
+  # before the cache exists. Once here, not in each test worker and gateway of the first run.
+  "$VENV/bin/python" -c "import librosa.core.audio, librosa.util.utils" >/dev/null
   touch "$stamp"
 }
 
