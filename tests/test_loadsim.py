@@ -314,7 +314,7 @@ def test_a_slowed_engine_raises_first_audio_latency_accordingly(
         engines[0].delay_s = 0.0
     print(f"\nfirst audio after a key: {baseline:.0f} ms, with +{planted_ms} ms planted: "
           f"{slowed:.0f} ms")
-    assert 0.6 * planted_ms <= slowed - baseline <= planted_ms + 300
+    assert 0.75 * planted_ms <= slowed - baseline <= 1.5 * planted_ms
 
 
 def test_capacity_for_cached_and_live_speech_and_the_price_of_a_million_characters(

@@ -617,12 +617,13 @@ class SpeechService:
             log.error("no healthy TTS slot left: failed %d queued turn(s)", failed)
 
     def _count_healthy(self, delta: int) -> None:
-        # Under self._cond, where a slot or loop enters or leaves rotation: the gauge moves in
-        # the same critical section as the count, so /metrics never reports a rotation the
-        # service has already left (it lagged by a few statements, and a scrape saw it).
-        self._healthy += delta
+        # Under self._cond, where a slot or loop enters or leaves rotation. The gauge is set
+        # first: whoever reads the new count (``healthy_slots``, without the lock) finds
+        # /metrics saying it already (it used to lag by a few statements, and a scrape saw it).
+        healthy = self._healthy + delta
         if self.metrics is not None:
-            self.metrics.tts_slots_healthy.set(self._healthy)
+            self.metrics.tts_slots_healthy.set(healthy)
+        self._healthy = healthy
 
     def _gauges(self) -> None:
         if self.metrics is None:
