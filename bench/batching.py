@@ -71,13 +71,13 @@ def request(i: int, frames: int) -> SpeechRequest:
 
 
 def gen_batched(engine: BatchedQwenEngine, turns: int, frames: int) -> Gen:
-    """All turns admitted at once, prefilled, then stepped together to the end."""
+    """All turns admitted at once, prefilled together, then stepped together to the end."""
     c0 = time.process_time()
     t0 = time.perf_counter()
     rows = [engine.open(request(i, frames)) for i in range(turns)]
-    for row in rows:
-        while row.prefilling:
-            engine.prefill(row)
+    # As the loop prefills a burst with nobody playing yet: all of it in one call.
+    while prefilling := [row for row in rows if row.prefilling]:
+        engine.prefill_rows(prefilling)
     t1 = time.perf_counter()
     steps = 0
     while live := [row for row in rows if row.finished is None]:
@@ -191,6 +191,7 @@ def part_full_size(args: argparse.Namespace) -> float:
             results[n]["slots"].append(gen_slots(slots, n, frames))
             gc.collect()
     codec_ms, one_ms, batch_ms = codec_costs(shared, frames, 8)
+    alone_s, together_s = prefill_costs(batched, 8, rounds=1 if args.quick else 3)
 
     rows, ratios = [], {}
     for n in levels:
@@ -220,9 +221,32 @@ def part_full_size(args: argparse.Namespace) -> float:
           f"ms -> batched/slots cost {one_b / one_s:.2f}x")
     print(f"codec decode of 8 rows' 8-frame chunks: {one_ms:.0f} ms per row one by one, "
           f"{batch_ms:.0f} ms per row in one batched forward ({one_ms / batch_ms:.2f}x)")
+    print(f"prefill of 8 prompts ({sum(len(TEXTS[i % len(TEXTS)]) for i in range(8))} "
+          f"characters): {alone_s:.2f} s one by one, {together_s:.2f} s in one forward "
+          f"({alone_s / together_s:.2f}x)")
     del batched, slots, shared
     gc.collect()
     return ratios[8]
+
+
+def prefill_costs(engine: BatchedQwenEngine, turns: int, rounds: int) -> tuple[float, float]:
+    """Seconds to prefill ``turns`` prompts one by one and in one ``prefill_rows`` call
+    (alternating rounds, medians)."""
+    alone, together = [], []
+    for _ in range(rounds):
+        for mode, times in (("alone", alone), ("together", together)):
+            rows = [engine.open(request(i, 2)) for i in range(turns)]
+            t = time.perf_counter()
+            if mode == "alone":
+                for row in rows:
+                    while row.prefilling:
+                        engine.prefill(row)
+            else:
+                engine.prefill_rows(rows)
+            times.append(time.perf_counter() - t)
+            for row in rows:
+                engine.close(row)
+    return statistics.median(alone), statistics.median(together)
 
 
 def part_tiny(args: argparse.Namespace) -> None:

@@ -58,22 +58,28 @@ def _requests(sampling: Sampling | None, frames: int = 10) -> list[SpeechRequest
 
 def _drive(engine: BatchedQwenEngine, plan: list[tuple[int, SpeechRequest]],
            sit_out: Callable[[int, int], bool] = lambda _turn, _step: False,
-           decode: bool = False) -> dict[int, BatchRow]:
+           decode: bool = False, together: bool = False) -> dict[int, BatchRow]:
     """Run turns that join at given steps; ``sit_out(turn, step)`` holds a row back a step.
 
-    Returns every turn's finished row (codes and logits recorded; with ``decode`` the codec
-    runs too and each chunk's codes are recorded)."""
+    With ``together`` the turns joining at one step are prefilled by one ``prefill_rows``
+    call (one forward), as the loop prefills a burst. Returns every turn's finished row
+    (codes and logits recorded; with ``decode`` the codec runs too and each chunk's codes
+    are recorded)."""
     pending = sorted(enumerate(plan), key=lambda item: item[1][0])
     live: dict[int, BatchRow] = {}
     done: dict[int, BatchRow] = {}
     step = 0
     while pending or live:
+        joining: dict[int, BatchRow] = {}
         while pending and pending[0][1][0] <= step:
             turn, (_join, request) = pending.pop(0)
-            row = engine.open(request)
+            joining[turn] = engine.open(request)
+        if together and len(joining) > 1:
+            engine.prefill_rows(list(joining.values()))
+        for row in joining.values():
             while row.prefilling:
                 engine.prefill(row)
-            live[turn] = row
+        live.update(joining)
         advancing = [row for turn, row in live.items()
                      if row.finished is None and not sit_out(turn, step)]
         engine.step(advancing)
@@ -201,6 +207,117 @@ def test_a_turn_gives_the_same_codes_alone_and_sharing_steps_with_up_to_seven_ot
     assert worst < 1e-4
     # Divergences are rare edge cases, not the rule.
     assert identical >= 6
+
+
+@pytest.mark.parametrize("sampling", [Sampling.greedy(), None], ids=["greedy", "seeded"])
+def test_a_burst_prefilled_in_one_forward_gives_each_turn_its_solo_codes(
+    engine: BatchedQwenEngine, sampling: Sampling | None
+) -> None:
+    """Eight prompts of different lengths and speakers, padded on the right to the longest and
+    run through the talker together (four joining at step 0, four at step 3, while the first
+    four generate), then stepping together: each turn gives its solo codes, up to the same
+    float32 edges as any shared step (see the test above)."""
+    requests = _requests(sampling)
+    solo = {i: _drive(engine, [(0, r)])[0] for i, r in enumerate(requests)}
+    assert len({row.prompt_tokens for row in solo.values()}) >= 4, "prompts of many lengths"
+    forwards = _count_talker_forwards(engine)
+    burst = _drive(engine, [(0 if i < 4 else 3, r) for i, r in enumerate(requests)],
+                   together=True)
+    # Two prefill forwards of four prompts each (plus one forward per step).
+    assert forwards.batches.count(4) == 2 and forwards.tokens_over_one == 2
+    worst, diverged = 0.0, []
+    for i in range(8):
+        assert len(burst[i].codes) == requests[i].max_frames
+        diff, where = _explain(solo[i], burst[i], greedy=sampling is not None)
+        worst = max(worst, diff)
+        if where is not None:
+            diverged.append(f"turn {i} {where}")
+    print(f"\n{8 - len(diverged)}/8 turns identical to their solo run; max relative logit "
+          f"difference {worst:.1e}; explained divergences: {diverged or 'none'}")
+    assert worst < 1e-4 and 8 - len(diverged) >= 6
+
+
+class _Forwards:
+    """The talker forwards an engine ran: the batch size of each, and how many took more
+    than one token per row (prefills)."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+        self.tokens_over_one = 0
+
+    def __call__(self, _module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        embeds = kwargs["inputs_embeds"]
+        if embeds.shape[1] > 1:
+            self.batches.append(int(embeds.shape[0]))
+            self.tokens_over_one += 1
+
+
+#: Forward hooks a test put on the module-scoped engine's talker; removed after each test.
+_HOOKS: list[Any] = []
+
+
+def _count_talker_forwards(engine: BatchedQwenEngine) -> _Forwards:
+    forwards = _Forwards()
+    _HOOKS.append(engine._talker.model.register_forward_pre_hook(forwards, with_kwargs=True))
+    return forwards
+
+
+@pytest.fixture(autouse=True)
+def _remove_hooks() -> Iterator[None]:
+    yield
+    while _HOOKS:
+        _HOOKS.pop().remove()
+
+
+def test_rows_prefilled_together_hold_the_state_and_cache_of_their_solo_prefill(
+    tiny_engine_rows: BatchedQwenEngine,
+) -> None:
+    engine = tiny_engine_rows
+    requests = _requests(Sampling.greedy(), frames=4)[:5]
+    solo = []
+    for request in requests:
+        row = engine.open(request)
+        engine.prefill(row)
+        assert row.ready
+        solo.append((int(engine._token[row.index]), engine._past_hidden[row.index].clone(),
+                     [k[row.index, :, : row.length].clone() for k in engine._kv.keys],
+                     row.length))
+        engine.close(row)
+    rows = [engine.open(r) for r in requests]
+    assert engine.prefill_rows(rows) == sum(row.prompt_tokens for row in rows)
+    for row, (token, hidden, keys, length) in zip(rows, solo, strict=True):
+        assert row.ready and row.prefilled == row.prompt_tokens and row.length == length
+        assert int(engine._token[row.index]) == token
+        assert _relative_diff(hidden, engine._past_hidden[row.index]) < 1e-5
+        for layer, solo_keys in enumerate(keys):
+            assert _relative_diff(solo_keys, engine._kv.keys[layer][row.index, :, :length]) < 1e-5
+
+
+def test_a_failed_prefill_together_changes_no_row_and_each_row_can_then_go_alone(
+    tiny_engine_rows: BatchedQwenEngine,
+) -> None:
+    engine = tiny_engine_rows
+    rows = [engine.open(r) for r in _requests(None, frames=4)[:3]]
+
+    def fail_batched(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs["inputs_embeds"].shape[0] > 1:
+            raise RuntimeError("out of memory (injected)")
+
+    _HOOKS.append(engine._talker.model.register_forward_pre_hook(fail_batched, with_kwargs=True))
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.prefill_rows(rows)
+    for row in rows:
+        assert row.prefilling and row.prefilled == 0 and row.prefill_cache is None
+        engine.prefill(row)
+        assert row.ready
+
+
+def test_rows_with_chunked_prompts_are_prefilled_one_chunk_each(shared: QwenModel) -> None:
+    engine = BatchedQwenEngine(shared, max_rows=4, trim_leading_silence=False, prefill_chunk=3)
+    rows = [engine.open(r) for r in _requests(None, frames=4)[:3]]
+    assert all(row.prompt_tokens > 3 for row in rows)
+    assert engine.prefill_rows(rows) == 9
+    assert [row.prefilled for row in rows] == [3, 3, 3] and not any(row.ready for row in rows)
 
 
 def test_a_seeded_turn_is_reproducible_and_its_generator_is_its_own(

@@ -80,10 +80,20 @@ class _Recorder(BatchedQwenEngine):
         self.calls: list[str] = []
         self.rebuilds = 0
         self.on_step: Callable[[Sequence[EngineRow]], None] | None = None
+        #: A prompt whose prefill raises, alone or with others.
+        self.poison: str | None = None
 
     def prefill(self, row: EngineRow) -> int:
         self.calls.append(f"P:{row.request.text}")  # type: ignore[attr-defined]
+        if row.request.text == self.poison:  # type: ignore[attr-defined]
+            raise RuntimeError("prefill poisoned (injected)")
         return super().prefill(row)
+
+    def prefill_rows(self, rows: Sequence[EngineRow]) -> int:
+        self.calls.append(f"G:{len(rows)}")
+        if any(row.request.text == self.poison for row in rows):  # type: ignore[attr-defined]
+            raise RuntimeError("prefill poisoned (injected)")
+        return super().prefill_rows(rows)
 
     def step(self, rows: Sequence[EngineRow]) -> int:
         self.calls.append("S")
@@ -317,6 +327,40 @@ async def test_a_turn_far_ahead_yields_to_one_waiting_for_first_audio(
     long.cancel()
     await _drain(urgent)
     await listener
+
+
+async def test_a_burst_of_newcomers_is_prefilled_in_one_call_and_starts_in_one_step(
+    shared: QwenModel, service_factory: Callable[..., SpeechService],
+) -> None:
+    engine = _Recorder(shared, max_rows=4, trim_leading_silence=False)
+    service = service_factory(engine)
+    # The service's condition is reentrant: holding it, the four are queued before the loop
+    # can admit any, as when four callers' turns arrive between two of its iterations.
+    with service._cond:
+        streams = [service.stream(_request(f"Caller number {i} speaks.", 6, seed=i))
+                   for i in range(4)]
+    outs = await asyncio.gather(*(_drain(stream) for stream in streams))
+    assert [_frames(out) for out in outs] == [6, 6, 6, 6]
+    assert engine.calls[:2] == ["G:4", "S"] and service.stats.step_rows[0] == 4
+    assert not any(call.startswith("P:") for call in engine.calls)
+
+
+async def test_a_failed_prefill_together_is_retried_one_by_one_and_fails_only_its_turn(
+    shared: QwenModel, service_factory: Callable[..., SpeechService],
+) -> None:
+    engine = _Recorder(shared, max_rows=4, trim_leading_silence=False)
+    engine.poison = "Poisoned prompt."
+    service = service_factory(engine)
+    with service._cond:
+        before = service.stream(_request("Arrived first.", 6))
+        poisoned = service.stream(_request("Poisoned prompt.", 6))
+        after = service.stream(_request("Arrived last.", 6, seed=3))
+    with pytest.raises(EngineError, match="prefill poisoned"):
+        await _drain(poisoned)
+    assert _frames(await _drain(before)) == 6 and _frames(await _drain(after)) == 6
+    assert engine.calls[:4] == ["G:3", "P:Arrived first.", "P:Poisoned prompt.",
+                                "P:Arrived last."]
+    assert service.stats.failed == 1 and engine.rebuilds == 0
 
 
 async def test_prefill_runs_whole_when_nobody_is_playing_and_chunk_by_chunk_when_rows_are(

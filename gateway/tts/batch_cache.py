@@ -80,19 +80,24 @@ class RowKVCache(Cache):
         values.scatter_(2, self._index, value_states)
         return keys[:, :, : self._kv_len], values[:, :, : self._kv_len]
 
-    def load_prefix(self, row: int, prefill: Any) -> int:
-        """Copy a prefill's ``DynamicCache`` (batch 1) into ``row`` at positions ``[0, n)``."""
-        length = 0
+    def load_prefix(self, row: int, prefill: Any, source: int = 0,
+                    length: int | None = None) -> int:
+        """Copy row ``source`` of a prefill's ``DynamicCache`` into ``row`` at ``[0, n)``.
+
+        ``n`` is ``length`` (a right-padded batch prefill: the positions past a row's own
+        prompt are padding) or the whole cache.
+        """
+        n = 0
         for index, layer in enumerate(prefill.layers):
-            k, v = layer.keys, layer.values  # [1, heads, n, head_dim]
-            length = int(k.shape[2])
-            if length > self.scratch:
+            k, v = layer.keys, layer.values  # [batch, heads, positions, head_dim]
+            n = int(k.shape[2]) if length is None else length
+            if n > self.scratch:
                 raise ValueError(
-                    f"prompt of {length} tokens does not fit a {self.max_seq_len}-position row"
+                    f"prompt of {n} tokens does not fit a {self.max_seq_len}-position row"
                 )
-            self.keys[index][row, :, :length].copy_(k[0])
-            self.values[index][row, :, :length].copy_(v[0])
-        return length
+            self.keys[index][row, :, :n].copy_(k[source, :, :n])
+            self.values[index][row, :, :n].copy_(v[source, :, :n])
+        return n
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into row ``dst`` (compaction)."""

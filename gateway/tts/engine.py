@@ -237,6 +237,13 @@ class BatchEngine(Engine):
     def prefill(self, row: EngineRow) -> int:
         """Run the next prefill chunk of ``row``; returns the prompt tokens it processed."""
 
+    def prefill_rows(self, rows: Sequence[EngineRow]) -> int:
+        """Run the next prefill chunk of each of ``rows`` (together where the engine can);
+        returns the prompt tokens processed. Default: :meth:`prefill` row by row. On an
+        exception the loop retries the rows still prefilling one by one, so that only the
+        row that fails is failed."""
+        return sum(self.prefill(row) for row in rows)
+
     @abc.abstractmethod
     def step(self, rows: Sequence[EngineRow]) -> int:
         """Advance ``rows`` one codec frame in one batched step; returns the batch size run."""
