@@ -183,6 +183,11 @@ class QwenModel:
         self.device = resolve_device(device)
         self.base, self.torch_dtype = _load_base(model, self.device, dtype, attn_implementation)
         inner = self.base.model
+        if not self.on_cuda and attn_implementation == "sdpa":
+            from gateway.tts import attention
+
+            # The batched step's masked attention without a copy of every key and value head.
+            attention.install(inner)
         self.speakers = tuple(sorted(s.lower() for s in (inner.get_supported_speakers() or [])))
         self.languages = tuple(
             sorted(lang.capitalize() for lang in (inner.get_supported_languages() or []))
