@@ -1,4 +1,4 @@
-"""Grouped-query attention under a mask without repeated key / value heads (gateway/tts/attention.py).
+"""Masked grouped-query attention without repeated key / value heads (gateway/tts/attention.py).
 
 The tiny checkpoint has the published architecture's grouped-query attention (4 query heads
 over 2 key / value heads), so the real talker and code predictor run through it on the CPU.
