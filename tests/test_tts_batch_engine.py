@@ -194,19 +194,26 @@ def test_a_turn_gives_the_same_codes_alone_and_sharing_steps_with_up_to_seven_ot
     # in batches of every size; turns 3 and 5 also sit steps out while the others advance.
     mixed = _drive(engine, [(2 * i, r) for i, r in enumerate(requests)],
                    sit_out=lambda turn, step: (turn, step % 5) in ((3, 1), (5, 3)))
-    worst, diverged = 0.0, []
     for i in range(8):
         assert len(solo[i].codes) == requests[i].max_frames
-        diff, where = _explain(solo[i], mixed[i], greedy=sampling is not None)
+    _assert_as_solo(solo, mixed, greedy=sampling is not None)
+
+
+def _assert_as_solo(solo: dict[int, BatchRow], shared: dict[int, BatchRow], greedy: bool,
+                    ) -> None:
+    """Every turn gave its solo codes, or diverged on an explained float32 edge (_explain);
+    logits within 1e-4 of the solo run; divergences are rare edge cases, not the rule."""
+    worst, diverged = 0.0, []
+    for i in sorted(solo):
+        diff, where = _explain(solo[i], shared[i], greedy=greedy)
         worst = max(worst, diff)
         if where is not None:
             diverged.append(f"turn {i} {where}")
-    identical = 8 - len(diverged)
-    print(f"\n{identical}/8 turns identical to their solo run; max relative logit difference "
-          f"{worst:.1e}; explained divergences: {diverged or 'none'}")
+    identical = len(solo) - len(diverged)
+    print(f"\n{identical}/{len(solo)} turns identical to their solo run; max relative logit "
+          f"difference {worst:.1e}; explained divergences: {diverged or 'none'}")
     assert worst < 1e-4
-    # Divergences are rare edge cases, not the rule.
-    assert identical >= 6
+    assert identical >= len(solo) - 2
 
 
 @pytest.mark.parametrize("sampling", [Sampling.greedy(), None], ids=["greedy", "seeded"])
@@ -225,16 +232,9 @@ def test_a_burst_prefilled_in_one_forward_gives_each_turn_its_solo_codes(
                    together=True)
     # Two prefill forwards of four prompts each (plus one forward per step).
     assert forwards.batches.count(4) == 2 and forwards.tokens_over_one == 2
-    worst, diverged = 0.0, []
     for i in range(8):
         assert len(burst[i].codes) == requests[i].max_frames
-        diff, where = _explain(solo[i], burst[i], greedy=sampling is not None)
-        worst = max(worst, diff)
-        if where is not None:
-            diverged.append(f"turn {i} {where}")
-    print(f"\n{8 - len(diverged)}/8 turns identical to their solo run; max relative logit "
-          f"difference {worst:.1e}; explained divergences: {diverged or 'none'}")
-    assert worst < 1e-4 and 8 - len(diverged) >= 6
+    _assert_as_solo(solo, burst, greedy=sampling is not None)
 
 
 class _Forwards:
