@@ -513,9 +513,9 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         under the causal mask each token attends only to the tokens before it, all of its own
         prompt, at the positions it has alone. Each row then takes its own prompt's KV and its
         last real token's hidden state, as :meth:`prefill` would give it (up to float32 sums
-        in another order: batched products pick kernels by shape). On a CPU one forward of 8
-        prompts of ~70 tokens costs ~1.3-1.8x less than 8 forwards, and a burst of newcomers
-        reaches its first step sooner. Any other mix runs one :meth:`prefill` per row.
+        in another order: batched products pick kernels by shape). On the 2-core CPU one forward
+        of 8 prompts of ~70 tokens of the 0.6B model cost 1.28-1.56x less than 8 forwards
+        (``bench/batching.py``), and a burst of newcomers reaches its first step sooner. Any other mix runs one :meth:`prefill` per row.
 
         Rows are changed only once the forward has succeeded: after an exception every row is
         as it was, and the caller may retry them one by one to find the one that fails.
