@@ -275,11 +275,7 @@ class BatchLoop:
                 elapsed = time.perf_counter() - t0
                 spent += elapsed
                 ran = True
-                if done:
-                    per_token = elapsed / done
-                    self._prefill_s_per_token = per_token if rate is None else (
-                        0.7 * rate + 0.3 * per_token)
-                self.service._record_prefill(elapsed)
+                self._prefilled(done, elapsed)
                 if self.stuck:
                     return True
         return ran
@@ -312,17 +308,23 @@ class BatchLoop:
         t0 = time.perf_counter()
         try:
             done = self.engine.prefill_rows([t.row for t in group if t.row is not None])
-        except Exception:
-            log.warning("tts: prefill of %d turns together failed; trying them one by one",
-                        len(group), exc_info=True)
+        except Exception as exc:
+            # The one-by-one path that follows logs the failing turn's traceback.
+            log.warning("tts: prefill of %d turns together failed (%s); trying them one by one",
+                        len(group), exc)
             return time.perf_counter() - t0, False
         elapsed = time.perf_counter() - t0
-        if done:
-            per_token = elapsed / done
+        self._prefilled(done, elapsed)
+        return elapsed, True
+
+    def _prefilled(self, tokens: int, elapsed: float) -> None:
+        """Fold one prefill call's cost into the per-token estimate and the metrics."""
+        if tokens:
+            per_token = elapsed / tokens
+            rate = self._prefill_s_per_token
             self._prefill_s_per_token = per_token if rate is None else (
                 0.7 * rate + 0.3 * per_token)
         self.service._record_prefill(elapsed)
-        return elapsed, True
 
     # --- planning and stepping -----------------------------------------------------------------
 
