@@ -20,6 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
 #: The attention implementation's registered name.
 NAME = "sdpa_gqa"
 
@@ -35,10 +40,10 @@ def sdpa_gqa_attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[Any, None]:
-    """transformers' SDPA attention, with the key / value heads never repeated by hand."""
-    import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    """transformers' SDPA attention, with the key / value heads never repeated by hand.
 
+    It runs at every layer of every forward: its imports live at module level (this module
+    is imported only once a model is loaded on the CPU)."""
     groups = getattr(module, "num_key_value_groups", 1)
     if (attention_mask is None or groups == 1 or kwargs.get("output_attentions")
             or kwargs.get("head_mask") is not None):
@@ -63,9 +68,6 @@ def install(model: Any) -> int:
     Returns how many configs were switched (the talker's and the code predictor's; the
     codec's too if it uses SDPA).
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register(NAME, sdpa_gqa_attention_forward)
     # The masks it takes are SDPA's. Unregistered, the library would build no mask at all
     # for this name (it takes an unknown one for a backend that needs none).
