@@ -515,7 +515,8 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         last real token's hidden state, as :meth:`prefill` would give it (up to float32 sums
         in another order: batched products pick kernels by shape). On the 2-core CPU one forward
         of 8 prompts of ~70 tokens of the 0.6B model cost 1.28-1.56x less than 8 forwards
-        (``bench/batching.py``), and a burst of newcomers reaches its first step sooner. Any other mix runs one :meth:`prefill` per row.
+        (``bench/batching.py``), and a burst of newcomers reaches its first step sooner. Any
+        other mix runs one :meth:`prefill` per row.
 
         Rows are changed only once the forward has succeeded: after an exception every row is
         as it was, and the caller may retry them one by one to find the one that fails.
@@ -524,9 +525,11 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         from transformers import DynamicCache
 
         own = [self._own(row) for row in rows]
-        whole = [row for row in own if not row.ready and row.prefilled == 0
-                 and (self.prefill_chunk <= 0 or row.prompt_tokens <= self.prefill_chunk)]
-        if len(own) < 2 or len(whole) < len(own):
+        if len(own) < 2 or not all(
+            not row.ready and row.prefilled == 0
+            and (self.prefill_chunk <= 0 or row.prompt_tokens <= self.prefill_chunk)
+            for row in own
+        ):
             return sum(self.prefill(row) for row in own)
         lengths = [row.prompt_tokens for row in own]
         longest = max(lengths)
