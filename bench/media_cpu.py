@@ -4,6 +4,7 @@ Run from the repository root (``pip install -e '.[loadsim]'``)::
 
     python bench/media_cpu.py [--levels 64,96] [--seconds 20] [--rounds 2]
                               [--digits 9,9,9,9,9] [--think 2] [--line-noise-dbfs -50]
+                              [--baseline old-path|legacy-ws]
 
 What it measures: how much CPU the gateway *process* spends (user + system time of all its
 threads, from ``/proc/<pid>/stat``) per second of call its callers had, while every prompt comes
@@ -19,7 +20,9 @@ demo IVR, its prompts pre-rendered into a cache first):
   copied into a model (``validate_json`` + ``model_copy``); the speech detector fed every frame of
   every call whether or not anything interruptible plays, its model run on every 32 ms window,
   each frame decoded on its own; a cached prompt encoded to G.711 afresh on every play; no cap
-  on the inbound rate.
+  on the inbound rate. With ``--baseline legacy-ws`` the baseline is instead today's gateway on
+  uvicorn's legacy WebSocket protocol (``ws="websockets"``), so the switch to the Sans-I/O one
+  (:data:`gateway.http_limits.WS_PROTOCOL`) is measured on its own.
 
 The load simulator's Twilio callers (in this process) call each gateway in turn, level after
 level, round after round (a noisy phase of this shared machine hits both): the demo menu, ``9``
@@ -28,7 +31,7 @@ Their inbound audio is line noise at ``--line-noise-dbfs`` (a real line is never
 silence). Each cell is the median over rounds. A level where a gateway could not keep up (calls
 not completed: its event loop saturated) gives a floor, not a cost, and is left out of the
 ratio. The last line is ``RESULT new path X.XX ms CPU per call-second at <levels> (baseline
-Y.YY ms at <levels both kept up>), Z.ZZx less``.
+<old-path|legacy-ws> Y.YY ms at <levels both kept up>), Z.ZZx less``.
 
 The figure includes what no code of ours does: delivering each WebSocket message to the app
 (uvicorn, websockets, Starlette). The bench measures that first, as a floor: a bare Starlette
@@ -200,6 +203,8 @@ def _serve_floor(port: int) -> int:
     from starlette.routing import WebSocketRoute
     from starlette.websockets import WebSocket
 
+    from gateway.http_limits import WS_PROTOCOL
+
     async def media(websocket: WebSocket) -> None:
         await websocket.accept()
         while (await websocket.receive())["type"] != "websocket.disconnect":
@@ -207,7 +212,7 @@ def _serve_floor(port: int) -> int:
 
     app = Starlette(routes=[WebSocketRoute("/twilio/media", media)])
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",
-                ws_per_message_deflate=False)
+                ws_per_message_deflate=False, ws=WS_PROTOCOL)
     return 0
 
 
@@ -270,11 +275,16 @@ def _floor(port: int, levels: list[int], seconds: float, payload: str, log: Path
         process.wait(30)
 
 
-def _serve(variant: str, port: int, model: str, cache_dir: str) -> int:
+def _serve(variant: str, port: int, model: str, cache_dir: str, baseline: str = "old-path"
+           ) -> int:
     """The gateway process of one variant (``--serve``)."""
     if variant == "floor":
         return _serve_floor(port)
-    if variant == "baseline":
+    if variant == "baseline" and baseline == "legacy-ws":
+        import gateway.http_limits
+
+        gateway.http_limits.WS_PROTOCOL = "websockets"  # read by server_limits at start-up
+    elif variant == "baseline":
         _install_baseline()
     from gateway.cli import main
 
@@ -313,13 +323,15 @@ class Cell:
         return [1000 * c / s for c, s in zip(self.cpu_s, self.call_s, strict=True)]
 
 
-def _start(variant: str, port: int, model: str, cache_dir: str, log: Path) -> Gateway:
+def _start(variant: str, port: int, model: str, cache_dir: str, log: Path, baseline: str,
+           ) -> Gateway:
     env = dict(os.environ, GATEWAY_MAX_CALLS="1024", GATEWAY_CACHE_DIR=cache_dir,
                GATEWAY_LOG_LEVEL="warning")
     out = log.open("wb")
     process = subprocess.Popen(
         [sys.executable, __file__, "--serve", variant, "--port", str(port), "--model", model,
-         "--cache-dir", cache_dir], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+         "--cache-dir", cache_dir, "--baseline", baseline],
+        env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     return Gateway(variant, port, process)
 
 
@@ -409,10 +421,13 @@ def main() -> None:
     parser.add_argument("--model-dir", help="a tiny checkpoint to reuse")
     parser.add_argument("--cache-dir", help="a prompt cache to reuse (rendered if incomplete)")
     parser.add_argument("--port", type=int, default=18700)
+    parser.add_argument("--baseline", choices=("old-path", "legacy-ws"), default="old-path",
+                        help="old-path: the old per-frame functions; legacy-ws: today's gateway "
+                             "on uvicorn's legacy WebSocket protocol")
     parser.add_argument("--serve", choices=(*VARIANTS, "floor"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        sys.exit(_serve(args.serve, args.port, args.model_dir, args.cache_dir))
+        sys.exit(_serve(args.serve, args.port, args.model_dir, args.cache_dir, args.baseline))
 
     import gateway.loadsim.twilio_caller as twilio_caller
 
@@ -423,7 +438,8 @@ def main() -> None:
         work = Path(tmp)
         floor = _floor(args.port + 10, levels, args.seconds, payload, work / "floor.log")
         model, cache = _prepare(args, work)
-        gateways = {variant: _start(variant, args.port + i, model, cache, work / f"{variant}.log")
+        gateways = {variant: _start(variant, args.port + i, model, cache, work / f"{variant}.log",
+                                    args.baseline)
                     for i, variant in enumerate(VARIANTS)}
         try:
             for gateway in gateways.values():
@@ -482,7 +498,7 @@ def main() -> None:
     old = statistics.median(median(c, "baseline") for c in kept_up)
     ratio = statistics.median(median(c, "baseline") / median(c, "new") for c in kept_up)
     print(f"RESULT new path {new:.2f} ms CPU per call-second at "
-          f"{', '.join(f'×{c}' for c in levels)} (baseline {old:.2f} ms at "
+          f"{', '.join(f'×{c}' for c in levels)} (baseline {args.baseline} {old:.2f} ms at "
           f"{', '.join(f'×{c}' for c in kept_up)}), {ratio:.2f}x less")
 
 

@@ -186,6 +186,7 @@ def serve(settings_overrides: dict[str, object], engine_factory=None) -> Iterato
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.http_limits import WS_PROTOCOL
 
     sock = _free_socket()
     port = sock.getsockname()[1]
@@ -193,7 +194,8 @@ def serve(settings_overrides: dict[str, object], engine_factory=None) -> Iterato
     settings = _settings(base_url, settings_overrides)
     app = create_app(settings, engine_factory) if engine_factory else create_app(settings)
     config = uvicorn.Config(
-        app, log_level="warning", ws_max_size=settings.ws_max_size, lifespan="on"
+        app, log_level="warning", ws_max_size=settings.ws_max_size, lifespan="on",
+        ws=WS_PROTOCOL,  # the media streams' protocol as `gateway serve` runs it
     )
     listening = threading.Event()
     server = _server(config, listening.set)
@@ -308,6 +310,7 @@ def serve_virtual(settings_overrides: dict[str, object], engine_factory=None,  #
     from clocks import LoopClock
 
     from gateway.app import create_app
+    from gateway.http_limits import WS_PROTOCOL
 
     sock = _free_socket()
     port = sock.getsockname()[1]
@@ -317,7 +320,8 @@ def serve_virtual(settings_overrides: dict[str, object], engine_factory=None,  #
     app = (create_app(settings, engine_factory, clock=clock) if engine_factory
            else create_app(settings, clock=clock))
     config = uvicorn.Config(
-        app, log_level="warning", ws_max_size=settings.ws_max_size, lifespan="on"
+        app, log_level="warning", ws_max_size=settings.ws_max_size, lifespan="on",
+        ws=WS_PROTOCOL,  # the media streams' protocol as `gateway serve` runs it
     )
     listening = asyncio.Event()
     server = _server(config, listening.set, quiet=True)

@@ -474,3 +474,23 @@ async def test_a_media_stream_is_never_compressed_whatever_the_client_offers(
             ws.request.headers.get("Sec-WebSocket-Extensions") or "")
         assert ws.response is not None
         assert ws.response.headers.get("Sec-WebSocket-Extensions") is None
+
+
+async def test_a_media_stream_is_served_by_the_sans_io_websocket_protocol(
+    live: LiveServer,
+) -> None:
+    """``gateway serve`` names uvicorn's Sans-I/O WebSocket protocol for the media streams: it
+    delivers a message for less CPU than the legacy one (``bench/media_cpu.py --baseline
+    legacy-ws``), which ``auto`` picked before uvicorn 0.50 and a config change could bring
+    back for every call."""
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    async with FakeTwilioCall(live.ws_url, AUTH_TOKEN, call_sid="CA" + "6" * 32,
+                              stream_sid="MZ" + "6" * 32) as call:
+        await call.start()
+        await call.wait_for(lambda: bool(call.events("media")), timeout=10)
+        kinds = {type(c).__name__ for c in live.server.server_state.connections}
+        assert WebSocketsSansIOProtocol.__name__ in kinds, kinds
+        await call.send_stop()
+        await call.wait_for(lambda: call.closed.is_set(), timeout=10)
+    assert call.close_code == 1000
