@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from common import SPEAKERS, TEXTS, pct, print_table, run_callers
 
-from gateway.tts.batched import BatchedQwenEngine
+from gateway.tts.batch_sampling import DEFAULT_SAMPLING, kcap_for
+from gateway.tts.batched import BatchedQwenEngine, bucket_for, kv_len_for
 from gateway.tts.codec_stream import StreamingCodecDecoder
 from gateway.tts.engine import SpeechRequest
 from gateway.tts.qwen import QwenEngine, QwenModel, _never
@@ -192,6 +193,7 @@ def part_full_size(args: argparse.Namespace) -> float:
             gc.collect()
     codec_ms, one_ms, batch_ms = codec_costs(shared, frames, 8)
     alone_s, together_s = prefill_costs(batched, 8, rounds=1 if args.quick else 3)
+    padded_s, exact_s = padding_costs(batched, 5, rounds=2 if args.quick else 4)
 
     rows, ratios = [], {}
     for n in levels:
@@ -224,6 +226,9 @@ def part_full_size(args: argparse.Namespace) -> float:
     print(f"prefill of 8 prompts ({sum(len(TEXTS[i % len(TEXTS)]) for i in range(8))} "
           f"characters): {alone_s:.2f} s one by one, {together_s:.2f} s in one forward "
           f"({alone_s / together_s:.2f}x)")
+    print(f"one eager step of 5 rows: {1000 * padded_s:.0f} ms run at bucket "
+          f"{bucket_for(5, batched._cap)} (padded, as before), {1000 * exact_s:.0f} ms run as 5 "
+          f"({padded_s / exact_s:.2f}x)")
     del batched, slots, shared
     gc.collect()
     return ratios[8]
@@ -247,6 +252,28 @@ def prefill_costs(engine: BatchedQwenEngine, turns: int, rounds: int) -> tuple[f
             for row in rows:
                 engine.close(row)
     return statistics.median(alone), statistics.median(together)
+
+
+def padding_costs(engine: BatchedQwenEngine, live: int, rounds: int) -> tuple[float, float]:
+    """Seconds of one eager step body for ``live`` rows run at their batch bucket (the padded
+    step the CPU ran before) and at exactly ``live`` rows (alternating rounds, medians).
+
+    It times the step body itself with no row active, as a capture warm-up does: the same
+    matrix products and attention over the same positions, committing nothing."""
+    bucket = bucket_for(live, engine._cap)
+    kv_len = kv_len_for(96, engine.max_seq_len, on_cuda=False)  # a prompt and a few frames
+    tk = kcap_for([DEFAULT_SAMPLING.top_k], engine.vocab)
+    pk = kcap_for([DEFAULT_SAMPLING.predictor_top_k], engine._pred_vocab)
+    padded, exact = [], []
+    with torch.inference_mode():
+        engine._active.zero_()
+        engine._step_body(bucket, kv_len, tk, pk)  # first use of these shapes
+        for _ in range(rounds):
+            for nb, times in ((bucket, padded), (live, exact)):
+                t = time.perf_counter()
+                engine._step_body(nb, kv_len, tk, pk)
+                times.append(time.perf_counter() - t)
+    return statistics.median(padded), statistics.median(exact)
 
 
 def part_tiny(args: argparse.Namespace) -> None:

@@ -363,6 +363,30 @@ def test_a_row_that_sits_out_keeps_its_state_and_padding_rows_do_not_move(
     assert torch.equal(_codes(mixed[1]), solo)
 
 
+def test_an_eager_step_runs_only_the_rows_up_to_the_highest_that_advances(
+    tiny_engine_rows: BatchedQwenEngine,
+) -> None:
+    """On the CPU there is no graph to pad for: three rows run as three, not as bucket 4, and
+    a newcomer prefilling in the top row is not computed; the rows keep their solo codes."""
+    engine = tiny_engine_rows
+    assert not engine.cuda_graphs
+    requests = _requests(Sampling.greedy(), frames=6)[:4]
+    solo = [_codes(_drive(engine, [(0, r)])[0]) for r in requests[:3]]
+    rows = [engine.open(r) for r in requests[:3]]
+    for row in rows:
+        while row.prefilling:
+            engine.prefill(row)
+    assert engine.step(rows) == 3
+    newcomer = engine.open(requests[3])  # index 3, its prompt not yet run
+    assert engine.step(rows) == 3
+    assert engine.step(rows[:2]) == 2  # the third sits out: above the highest, not computed
+    while live := [r for r in rows if r.finished is None]:
+        assert engine.step(live) == max(r.index for r in live) + 1
+    for row, expected in zip(rows, solo, strict=True):
+        assert torch.equal(_codes(row), expected)
+    assert newcomer.prefilling and newcomer.frames == 0
+
+
 def test_stream_chunks_follow_the_schedule_and_the_frame_cap(
     engine: BatchedQwenEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

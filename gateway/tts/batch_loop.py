@@ -20,8 +20,8 @@ shape: schedule -> execute -> update from output). Each iteration:
    consumer has not taken its last chunks (backpressure: the hand-off holds at most
    ``max_backlog`` chunks), and a row more than ``ahead_high_s`` ahead of playback while
    another turn waits for its first audio or is about to underrun (until its lead is down to
-   ``ahead_low_s``). On a CPU a smaller step is a faster step; on a GPU a sat-out row is a
-   masked row of the bucket.
+   ``ahead_low_s``). On a GPU a sat-out row is a masked row of the bucket; on a CPU the step
+   runs only up to the highest row that advances, so sat-out rows above it cost nothing.
 5. **Step** (one batched call for all rows), then **emit**: each row's due chunk is decoded
    (turns still waiting for first audio first) and handed to its stream; rows that sampled EOS
    or reached their frame cap finish and leave.

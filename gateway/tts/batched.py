@@ -624,11 +624,12 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
 
     @_inference
     def step(self, rows: Sequence[EngineRow]) -> int:
-        """Advance ``rows`` (ready, unfinished) by one codec frame; returns the batch bucket.
+        """Advance ``rows`` (ready, unfinished) by one codec frame; returns the batch size run.
 
-        Every row in the bucket that is not in ``rows`` keeps its state. Afterwards each
-        advanced row holds its new frame in its output buffer and ``finished`` says whether it
-        sampled EOS or reached its frame cap.
+        That is the batch bucket on CUDA (one graph each) and, eager on the CPU, the rows up to
+        the highest one in ``rows``. Every row run that is not in ``rows`` keeps its state.
+        Afterwards each advanced row holds its new frame in its output buffer and ``finished``
+        says whether it sampled EOS or reached its frame cap.
         """
         if not rows:
             return 0
@@ -640,13 +641,20 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         for row in rows:
             if not row.ready or row.finished is not None:
                 raise ValueError("only ready, unfinished rows can step")
-        bucket = bucket_for(len(self._rows), self._cap)
+        index = [row.index for row in rows]
+        if self.cuda_graphs:
+            # A graph per batch bucket: the step runs at the bucket, padding rows masked.
+            bucket = bucket_for(len(self._rows), self._cap)
+        else:
+            # Eager there is nothing to pad for: rows [0, highest stepping row] only. Rows are
+            # kept compact (close moves the last into the gap), so 5 rows cost 5, not 8, and a
+            # newcomer still prefilling in the last row is not computed as a masked row.
+            bucket = max(index) + 1
         need = max(row.length for row in rows) + 1
         kv_len = kv_len_for(need, self.max_seq_len, self.cuda_graphs)
         tk = kcap_for([row.sampling.top_k for row in rows], self.vocab)
         pk = kcap_for([row.sampling.predictor_top_k for row in rows], self._pred_vocab)
 
-        index = [row.index for row in rows]
         active = self._active_host
         active.zero_()
         active[index] = True
