@@ -25,10 +25,14 @@ The per-window probability becomes one event per caller turn:
   up to whole 32 ms windows), so a click, a noise burst or an "mm-hm" does not cut the prompt;
 * after that the detector is :attr:`~SpeechStartDetector.speaking` until windows below
   ``threshold - 0.15`` have lasted ``min_silence_ms``, and only then can the next start fire;
-* a pause inside a turn starts at the first such window (:attr:`~SpeechStartDetector.pause_start`,
-  which a speech gather's end-of-turn timing counts from) and ends at the next window back at or
-  above ``threshold``. After ``min_silence_ms`` the turn is over; the pause start stays until
-  the next speech start, since it is when the caller stopped talking.
+* a pause inside a turn begins with the first such window and ends at the next window back at
+  or above ``threshold``. It *starts* (:attr:`~SpeechStartDetector.pause_start`, which a speech
+  gather's end-of-turn timing counts from) where the audible windows stopped, up to
+  :data:`MAX_LAG_WINDOWS` earlier: the probability's lag after speech, 30-125 ms on clean
+  phrases and up to 280 ms in 20 dB line noise (flite and espeak-ng, measured), would otherwise
+  make every caller wait that much longer than the gather's ``complete_timeout``. The silence
+  counts from there too; after ``min_silence_ms`` of it the turn is over, and the pause start
+  stays until the next speech start, since it is when the caller stopped talking.
 
 All of this is synchronous CPU work with per-call state (STYLE.md rules 1 and 6). The model costs
 about 0.17 ms per 32 ms window on one core (0.11 ms per 20 ms frame), which on every frame of
@@ -65,6 +69,7 @@ __all__ = [
     "ABSOLUTE_FLOOR_DBFS",
     "AUDIBLE_MARGIN_DB",
     "LOOKBACK_WINDOWS",
+    "MAX_LAG_WINDOWS",
     "NEG_THRESHOLD_OFFSET",
     "NOISE_FLOOR_S",
     "SpeechStartDetector",
@@ -87,6 +92,13 @@ NOISE_FLOOR_S: Final[float] = 1.0
 
 LOOKBACK_WINDOWS: Final[int] = 8
 """Skipped quiet windows replayed through the model before an audible one (256 ms at 8 kHz)."""
+
+MAX_LAG_WINDOWS: Final[int] = 4
+"""How far a pause start is moved back, over quiet windows, from the first window the model
+calls silence (128 ms at 8 kHz): the model's lag on clean speech, where the energy says exactly
+when the speech stopped (measured on flite and espeak-ng phrases: 72 ms at the median, 125 ms
+at most). In line noise a word's weak last consonant can fall under the audible margin, so a
+longer move back would put the pause inside the word."""
 
 _STATE_SHAPE: Final[tuple[int, int, int]] = (2, 1, 128)
 _MARGIN: Final[float] = 10.0 ** (AUDIBLE_MARGIN_DB / 10.0)
@@ -183,6 +195,7 @@ class SpeechStartDetector:
         "_neg_threshold",
         "_pending",
         "_powers",
+        "_quiet",
         "_run",
         "_session",
         "_silence",
@@ -255,6 +268,9 @@ class SpeechStartDetector:
         self._run = 0
         self._silence = 0
         self._speaking = False
+        # Consecutive windows, up to the latest, that were not audible: where the speech's
+        # energy ended, which the model's probability follows only 30-250 ms later.
+        self._quiet = 0
         #: Speech starts detected since construction or :meth:`reset`.
         self.events = 0
         #: Speech probability of the latest window the model ran on (0.0 before the first).
@@ -265,8 +281,9 @@ class SpeechStartDetector:
         self.last_event_sample: int | None = None
         #: Windows the model ran on (replayed look-back windows included).
         self.model_windows = 0
-        #: Sample count at which the caller's current pause began: the first window below
-        #: ``threshold - 0.15`` after a speech start (None while they speak, and before any).
+        #: Sample count at which the caller's current pause began: where the audible windows
+        #: before the first window below ``threshold - 0.15`` after a speech start stopped, at
+        #: most :data:`MAX_LAG_WINDOWS` earlier (None while they speak, and before any).
         self.pause_start: int | None = None
 
     @property
@@ -291,6 +308,7 @@ class SpeechStartDetector:
         self._run = 0
         self._silence = 0
         self._speaking = False
+        self._quiet = 0
         self.events = 0
         self.probability = 0.0
         self.samples = 0
@@ -338,6 +356,7 @@ class SpeechStartDetector:
         powers[self._floor_i] = power
         self._floor_i = (self._floor_i + 1) % len(powers)
         audible = power >= max(min(powers), _ABS_FLOOR) * _MARGIN
+        self._quiet = 0 if audible else self._quiet + 1
         if not audible and self._skip_quiet and not (self._in_run or self._speaking):
             # Idle and quiet: whatever the model said, this window could not count towards a
             # start nor end anything (module docstring). Keep it for the look-back.
@@ -379,8 +398,12 @@ class SpeechStartDetector:
             self.pause_start = None
         elif p < self._neg_threshold or self._silence:
             if not self._silence:
-                self.pause_start = end - self._window
-            self._silence += self._window
+                # The caller stopped where the audible windows stopped: the quiet ones just
+                # before this one (up to the model's lag) were silence already.
+                self._silence = min(max(self._quiet, 1), MAX_LAG_WINDOWS) * self._window
+                self.pause_start = end - self._silence
+            else:
+                self._silence += self._window
             if self._silence >= self._min_silence:
                 self._speaking = False
                 self._silence = 0
