@@ -127,6 +127,9 @@ def utterances(splits: tuple[Split, ...] = ("dev", "test"), *, quick: bool = Fal
     """The corpus, in a fixed order. ``quick``: test-style subset (2 voices, 2 conditions)."""
     out: list[Utterance] = []
     for split in splits:
+        # Seeds count within the split, so a split's line noise (and its figures) is the same
+        # whether or not the other split is generated too (``bench/asr.py --dev``).
+        first = len(out)
         voices = VOICES[split][:1] + VOICES[split][2:3] if quick else VOICES[split]
         conditions = [c for c in CONDITIONS if (stress or not c.stress)
                       and (not quick or c.name in ("clean", "noise 20 dB"))]
@@ -143,5 +146,5 @@ def utterances(splits: tuple[Split, ...] = ("dev", "test"), *, quick: bool = Fal
             for condition in conditions:
                 for kind, gname, text, expected in items:
                     out.append(Utterance(split, kind, gname, text, expected, voice, condition,
-                                         seed=len(out)))
+                                         seed=len(out) - first))
     return out

@@ -83,8 +83,9 @@ to").
 end-of-speech latency was measured against the recognition time). The open pass's CPU scales
 with it, and at the end of a caller's turn the decode is what the caller waits for once the
 gather's ``complete_timeout`` has run out. Measured on the whole corpus in one session (dev
-half: in-menu / false accepts / six-digit exact / digits-gather false accepts; test half
-in-menu / six-digit exact; open-pass CPU of main-menu phrases p50 / p95):
+half: in-menu / false accepts / six-digit exact / digits-gather false accepts; test half, with
+the line noise of a run that generated both halves: in-menu / six-digit exact; open-pass CPU of
+main-menu phrases p50 / p95):
 
 =====  ==============================  ===============  ==================
 words  dev half                        test half        main-menu decode
