@@ -57,7 +57,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.asr.base import RecognitionResult
-from gateway.asr.grammar import match
+from gateway.asr.grammar import Match, match
 from gateway.asr.pool import RecognizerPool
 from gateway.asr.sphinx import MIN_CONFIDENCE, PocketSphinxRecognizer
 from gateway.asr.synth import phone_line, synthesize
@@ -94,10 +94,13 @@ def _accepted(r: RecognitionResult, threshold: float) -> bool:
     return r.matched and r.confidence >= threshold
 
 
+def _answers(u: Utterance, heard: RecognitionResult | Match) -> bool:
+    """``heard`` (a result, or a grammar match of a transcript) is ``u``'s right answer."""
+    return (heard.digits if u.kind == "digits" else heard.branch) == u.expected
+
+
 def _correct(u: Utterance, r: RecognitionResult, threshold: float) -> bool:
-    if not _accepted(r, threshold):
-        return False
-    return (r.digits if u.kind == "digits" else r.branch) == u.expected
+    return _accepted(r, threshold) and _answers(u, r)
 
 
 def _rates(pairs: Iterable[tuple[Utterance, RecognitionResult]],
@@ -124,10 +127,8 @@ def _ceiling(items: list[Utterance], shipped: list[RecognitionResult],
         if u.split != "test" or u.condition.stress or u.kind not in ("in", "digits"):
             continue
         heard = match(GRAMMARS[u.grammar], r.transcript.split())
-        open_right = heard is not None and (heard.digits if u.kind == "digits"
-                                            else heard.branch) == u.expected
         cell = out["digits" if u.kind == "digits" else "in-menu"]
-        cell[0] += open_right or _correct(u, b, 0.0)
+        cell[0] += (heard is not None and _answers(u, heard)) or _correct(u, b, 0.0)
         cell[1] += 1
     return {k: (v[0], v[1]) for k, v in out.items()}
 
