@@ -170,7 +170,7 @@ def part_full_size(args: argparse.Namespace) -> float:
     frames = args.frames or (8 if args.quick else 24)
     rounds = 1 if args.quick else args.rounds
     t = time.monotonic()
-    shared = QwenModel(str(model_dir), device="cpu")
+    shared = QwenModel(str(model_dir), device="cpu", cpu_linear=args.cpu_linear)
     batched = BatchedQwenEngine(shared, max_rows=max(levels), max_seq_len=args.max_seq_len)
     slots = [QwenEngine(shared, max_seq_len=args.max_seq_len) for _ in range(max(levels))]
     # First-use costs (lazy cache set-up, mask tables) before anything is timed.
@@ -180,8 +180,9 @@ def part_full_size(args: argparse.Namespace) -> float:
             req = request(0, 2)
             for _ in slot._generate_codes(req, slot._prefill(req, None), 2, _never):
                 pass
-    print(f"0.6B random weights on CPU ({torch.get_num_threads()} threads): loaded and warmed "
-          f"in {time.monotonic() - t:.0f} s; {frames} frames per turn, {rounds} round(s), "
+    print(f"0.6B random weights on CPU ({torch.get_num_threads()} threads, talker linears on "
+          f"{shared.cpu_linear} kernels, both engines): loaded and warmed in "
+          f"{time.monotonic() - t:.0f} s; {frames} frames per turn, {rounds} round(s), "
           f"max_seq_len {args.max_seq_len}")
 
     results: dict[int, dict[str, list[Gen]]] = {n: {"batched": [], "slots": []} for n in levels}
@@ -334,6 +335,9 @@ def main() -> None:
                         "1 and 8; default 1,8,16, --quick 1,8)")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="static KV positions per turn, both engines (default: theirs)")
+    parser.add_argument("--cpu-linear", choices=("onednn", "mkl"), default="onednn",
+                        help="the talker's CPU linear kernels, shared by both engines (default: "
+                        "the product's, oneDNN over prepacked weights; mkl: torch's default)")
     parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads (default: torch's, one per core)")

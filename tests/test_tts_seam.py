@@ -120,3 +120,12 @@ def test_the_batched_engines_caches_see_only_update_calls() -> None:
         source = inspect.getsource(model.forward)
         assert "if cache_position is None:" in source
         assert "get_seq_length" in source.split("if cache_position is None:", 1)[1][:200]
+
+
+def test_this_torch_build_has_the_onednn_linear_ops_the_cpu_talker_runs_on() -> None:
+    """gateway/tts/cpu_linear.py calls two ops private to torch's compiler; without them the
+    CPU falls back to torch's default kernels (~2x slower batched steps) with one warning, so
+    a torch build in the pinned range that drops them must fail here instead."""
+    from gateway.tts import cpu_linear
+
+    assert cpu_linear.available()
