@@ -10,7 +10,8 @@ One transformer layer of the published 0.6B talker and code predictor is seven p
 real step (28 talker layers and 5 predictor layers per frame), not from the cache. Rows: 1 (a
 slot engine, a batched step of one turn), 8 and 16 (a batched step), 70 (one prompt's prefill)
 and 560 (eight prompts prefilled together). Both kernels alternate, medians of ``--rounds``.
-It also checks the two agree to 1e-5 and whether a row's result depends on the rows beside it.
+It also checks the two agree to 1e-5, and at which shapes a row's result depends on the rows
+beside it.
 The last line is the gain at 8 rows, the batched step of the issue's benchmark.
 """
 
@@ -72,16 +73,25 @@ def main() -> None:
                         for lay, p, x in zip(layers[:7], packed[:7], xs[:7], strict=True))
             rows.append([str(m), f"{1000 * a:.2f}", f"{1000 * b:.2f}", f"{a / b:.2f}x",
                          f"{worst:.1e}"])
-        x = torch.randn(16, 1024, generator=generator)
-        lay, p = layers[0], packed[0]
-        depends = {name: max(float((f(x[:m])[:1] - f(x[:1])).abs().max()) for m in (2, 8, 16))
-                   for name, f in (("mkl", lay), ("onednn", p))}
+        # Does a row's result depend on the rows beside it? Per shape: a lone row against the
+        # same row among 2, 8 and 16; and the first two rows among 2 against among 8 and 16.
+        alone: dict[str, list[str]] = {"MKL": [], "oneDNN": []}
+        shared: dict[str, list[str]] = {"MKL": [], "oneDNN": []}
+        for lay, p in zip(layers[:7], packed[:7], strict=True):
+            x = torch.randn(16, lay.in_features, generator=generator)
+            for name, f in (("MKL", lay), ("oneDNN", p)):
+                if all(torch.equal(f(x[:m])[:1], f(x[:1])) for m in (2, 8, 16)):
+                    alone[name].append(f"{lay.in_features}x{lay.out_features}")
+                if all(torch.equal(f(x[:m])[:2], f(x[:2])) for m in (8, 16)):
+                    shared[name].append(f"{lay.in_features}x{lay.out_features}")
     print_table(rows, ["rows", "MKL ms/layer", "oneDNN prepacked ms/layer", "gain",
                        "max relative difference"],
                 f"One 0.6B transformer layer's seven products, fp32, {torch.get_num_threads()} "
                 f"threads, {args.layers} distinct layers in turn")
-    print("row 0's result at 2, 8 and 16 rows minus its result alone (max abs): "
-          f"MKL {depends['mkl']:.1e}, oneDNN {depends['onednn']:.1e}")
+    for name in ("MKL", "oneDNN"):
+        print(f"{name}: a lone row gets the same bits as among 2-16 rows at "
+              f"{len(alone[name])} of 7 shapes ({', '.join(alone[name]) or 'none'}); 2 rows as "
+              f"among 8-16 at {len(shared[name])} of 7")
     assert all(float(r[4]) <= 1e-5 for r in rows), "the kernels disagree"
     print(f"RESULT oneDNN prepacked / MKL linear speed at 8 rows = {gains[8]:.2f}x")
 

@@ -6,23 +6,27 @@ a few rows are slow on AMD CPUs, and a few rows are exactly the shape of a step:
 live turn. oneDNN (bundled with torch as ``mkldnn``) with the weight reordered once into its
 blocked layout is what torch's own compiler uses for CPU linears. One 0.6B talker layer's
 seven products on the 2-core AMD EPYC the project measures on (``bench/cpu_linear.py``: 12
-distinct layers in turn, so the weights come from memory; two runs):
+distinct layers in turn, so the weights come from memory; three runs):
 
 =================  ==========================
 rows               oneDNN prepacked vs MKL
 =================  ==========================
-1                  1.19-1.21x faster
-8                  1.96-2.13x
+1                  1.19-1.30x faster
+8                  1.96-2.17x
 16                 2.07-2.58x
-70 (a prompt)      1.61-1.66x
-560 (8 prompts)    1.34-1.44x
+70 (a prompt)      1.55-1.66x
+560 (8 prompts)    1.26-1.44x
 =================  ==========================
 
 A whole batched step of 8 rows went from 1,030 to 490 ms, and the batched engine's frames per
 second at 8 turns from 6.54 to 12.95 (``bench/batching.py``). The results agree with MKL's to
-1e-6 (relative), and a row's result does not depend on how many rows share the product: bit
-for bit the same at 1 to 16 rows, where MKL's differ by ~1e-6. So a turn's codes no longer
-depend on which other turns share its step.
+~1e-6 (relative). A row's result depends less on the rows beside it than on MKL, where it moves
+by ~1e-6 with the row count: on this CPU (AVX-512) it is the same bits at 2 to 16 rows, and at
+1 row too for layers of up to 1,024 inputs; a lone row through the 2,048- and 3,072-input
+layers (``o_proj``, ``down_proj``) differs from the same row shared by ~1e-6, as on MKL. So a
+turn's logits are the same whichever turns share its steps, and differ from its solo run only
+in the last bits. Other instruction sets split sums differently (AVX2 was row-independent at
+every shape the review tried, SSE4.1 at none).
 
 :func:`install` swaps each large ``nn.Linear`` under a module for a :class:`PackedLinear`,
 only for fp32 weights on the CPU and only where this torch build has the two ops. They are
@@ -45,10 +49,11 @@ log = logging.getLogger(__name__)
 KERNELS = ("onednn", "mkl")
 
 #: Layers with fewer weights (in x out) than this stay on torch's kernels: a oneDNN call costs
-#: ~12 us more to set up, which a layer of 256 x 512 weights or fewer does not win back
-#: (measured at 1 and 8 rows: 32x64 4.5 -> 16.6 us, 256x512 at 8 rows 36.5 -> 29.7 us, 1024 x
-#: 1024 80 -> 52 us at 1 row and 346 -> 108 us at 8). Every layer of the published talkers is
-#: far above it; the tiny test checkpoint's are below it unless a test lowers it.
+#: ~12 us more to set up, which smaller layers do not win back (measured at 1 and 8 rows: 32 x
+#: 64 4.5 -> 16.6 us at 1 row, 256 x 512 (this size) 16.5 -> 21.9 us at 1 row and 36.5 -> 29.7
+#: us at 8, 1024 x 1024 80 -> 52 us at 1 row and 346 -> 108 us at 8). Every layer of the
+#: published talkers is far above it; of the tiny test checkpoint's only the output heads (64 x
+#: 2048 and up) reach it, unless a test lowers it.
 MIN_WEIGHTS = 1 << 17
 
 
@@ -62,7 +67,8 @@ def available() -> bool:
 class PackedLinear(torch.nn.Module):
     """``nn.Linear`` over a weight reordered once for oneDNN (CPU, fp32).
 
-    The reordered weight replaces the original (same size, no second copy); it is a plain
+    The reordered weight replaces the original (same size; once :func:`install` is done, no
+    second copy); it is a plain
     attribute, not a parameter or buffer, so state dicts and parameter counts never see its
     opaque layout.
     """
@@ -96,17 +102,23 @@ def install(module: torch.nn.Module) -> int:
         log.warning("oneDNN linear ops are missing from this torch build: CPU linears stay on "
                     "torch's default kernels")
         return 0
-    swapped = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if (type(child) is torch.nn.Linear and child.weight.device.type == "cpu"
-                    and child.weight.dtype == torch.float32
-                    and child.weight.numel() >= MIN_WEIGHTS):
-                setattr(parent, name, PackedLinear(child))
-                swapped += 1
+    # Names first, then one swap at a time holding no other original, so each original weight
+    # is freed as soon as its packed copy exists (holding them all to the end put 2.1 GiB of
+    # packed copies beside every original of the 0.6B model: 7.0 GiB peak instead of the 5.9 it
+    # has on MKL; now 5.9).
+    targets = [(parent, name) for parent in module.modules()
+               for name, child in parent.named_children() if _qualifies(child)]
+    for parent, name in targets:
+        setattr(parent, name, PackedLinear(getattr(parent, name)))
+    swapped = len(targets)
     if swapped:
         _return_freed_memory()
     return swapped
+
+
+def _qualifies(child: torch.nn.Module) -> bool:
+    return (type(child) is torch.nn.Linear and child.weight.device.type == "cpu"
+            and child.weight.dtype == torch.float32 and child.weight.numel() >= MIN_WEIGHTS)
 
 
 def _return_freed_memory() -> None:

@@ -172,7 +172,9 @@ class QwenModel:
 
     On the CPU the talker's linear layers run on oneDNN over prepacked weights
     (``cpu_linear="onednn"``, :mod:`gateway.tts.cpu_linear`); ``"mkl"`` keeps torch's default
-    kernels, for benchmarks that compare the two. :attr:`cpu_linear` says which is in use.
+    kernels, for benchmarks that compare the two. :attr:`cpu_linear` says which is in use:
+    ``"onednn"`` where any layer was packed, else ``"default"`` (torch's own kernels: MKL on
+    the CPU, cuBLAS on CUDA).
     """
 
     def __init__(
@@ -200,7 +202,7 @@ class QwenModel:
             attention.install(inner)
         if not self.on_cuda and cpu_linear == "onednn":
             # Every frame on the CPU is almost all the talker's matrix products: oneDNN over
-            # prepacked weights runs a step's few rows ~3x faster than MKL (cpu_linear.py).
+            # prepacked weights runs a step's few rows ~2x faster than MKL (cpu_linear.py).
             swapped = cpu_linear_kernels.install(inner.talker)
             log.info("talker linears on oneDNN with prepacked weights: %d layers", swapped)
         self.cpu_linear = cpu_linear_kernels.describe(inner.talker)
