@@ -68,9 +68,8 @@ class PackedLinear(torch.nn.Module):
     """``nn.Linear`` over a weight reordered once for oneDNN (CPU, fp32).
 
     The reordered weight replaces the original (same size; once :func:`install` is done, no
-    second copy); it is a plain
-    attribute, not a parameter or buffer, so state dicts and parameter counts never see its
-    opaque layout.
+    second copy). It is a plain attribute, not a parameter or buffer, so state dicts and
+    parameter counts never see its opaque layout.
     """
 
     def __init__(self, linear: torch.nn.Linear) -> None:
