@@ -98,6 +98,7 @@ def default_engine_factory(settings: Settings) -> list[Engine]:
                 trim_leading_silence=False,  # the phone path trims (gateway.audio.condition)
                 adaptive_chunks=settings.adaptive_chunks,
                 prefill_chunk=settings.prefill_chunk,
+                cuda_graphs={"auto": None, "on": True, "off": False}[settings.cuda_graphs],
             )
         ]
     return [

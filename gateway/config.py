@@ -37,6 +37,13 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the model runs; auto picks CUDA when a GPU exists."
     )
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Graph mode of the batched engine: every step shape captured at warm-up "
+        "and replayed. auto: on with CUDA. on with a CPU device runs the CUDA-graph capture "
+        "stand-in (tests and dry runs of the GPU path; slower than eager, logged and shown in "
+        "/readyz). off: eager steps.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Model dtype; auto = bfloat16 on CUDA, float32 on CPU."
     )

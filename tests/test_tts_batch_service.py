@@ -227,10 +227,16 @@ async def test_a_full_batch_queues_turns_in_deadline_order(
 # --- failures -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 async def test_an_exception_inside_a_step_fails_the_heard_turns_and_the_rest_carry_on(
-    shared: QwenModel, service_factory: Callable[..., SpeechService],
+    shared: QwenModel, service_factory: Callable[..., SpeechService], graphs: bool,
 ) -> None:
-    engine = _Recorder(shared, max_rows=4, trim_leading_silence=False)
+    """Eager, and in graph mode through the capture stand-in: there the rebuild captures every
+    graph again before the loop serves on."""
+    engine = _Recorder(shared, max_rows=4, trim_leading_silence=False, cuda_graphs=graphs,
+                       max_seq_len=256)
+    if graphs:
+        engine.warmup()
     fired = threading.Event()
 
     def fault(rows: Sequence[EngineRow]) -> None:
@@ -255,12 +261,16 @@ async def test_an_exception_inside_a_step_fails_the_heard_turns_and_the_rest_car
     assert service.stats.failed == 1 and service.healthy_slots == 1
     after = service.stream(_request("Later caller.", 6))
     assert _frames(await _drain(after)) == 6
+    if graphs:  # warm-up and rebuild each captured all three buckets, serving none
+        assert engine.captures == 2 * 3 and len(engine._graphs) == 3
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 async def test_the_watchdog_fails_a_hung_step_and_the_loop_serves_again_once_it_returns(
-    shared: QwenModel, service_factory: Callable[..., SpeechService],
+    shared: QwenModel, service_factory: Callable[..., SpeechService], graphs: bool,
 ) -> None:
-    engine = _Recorder(shared, max_rows=4, trim_leading_silence=False)
+    engine = _Recorder(shared, max_rows=4, trim_leading_silence=False, cuda_graphs=graphs,
+                       max_seq_len=256)
     entered, release = threading.Event(), threading.Event()
 
     def hang(rows: Sequence[EngineRow]) -> None:

@@ -19,10 +19,11 @@ advance (padding, prefilling turns, turns sitting a step out) are masked: their 
 to a scratch position nobody attends and their state is left as it was.
 
 The step reads and writes only static buffers, so on CUDA it is captured once per
-(batch bucket, attended length, top-k size) as a CUDA graph and replayed; on CPU the same body
-runs eagerly behind the same seam (:func:`capture`). The step's outputs reach the host in one
-copy per step for all rows (the codes for the codec, the next tokens for the EOS check): no
-host sync per row.
+(batch bucket, attended length) as a CUDA graph and replayed, every graph at warm-up; on CPU the
+same body runs eagerly behind the same seam (:func:`gateway.tts.graphs.capture`), or, with graphs
+forced on, through the capture stand-in that holds it to CUDA capture's rules (tests, dry runs).
+The step's outputs reach the host in one copy per step for all rows (the codes for the codec,
+the next tokens for the EOS check): no host sync per row.
 
 A new turn's prefill (its prompt through the talker, eagerly, in chunks of ``prefill_chunk``
 tokens) runs between steps; :mod:`gateway.tts.batch_loop` decides how much of it fits before
@@ -49,6 +50,7 @@ import numpy as np
 
 from gateway.audio.condition import LeadingSilenceTrimmer
 from gateway.errors import EngineError
+from gateway.tts import cpu_linear
 from gateway.tts.batch_sampling import (
     DEFAULT_SAMPLING,
     DRAWS_PER_FRAME,
@@ -61,6 +63,7 @@ from gateway.tts.batch_sampling import (
 from gateway.tts.chunking import ChunkPlanner
 from gateway.tts.codec_stream import StreamingCodecDecoder, WindowedCodecDecoder
 from gateway.tts.engine import BatchEngine, EngineRow, SpeechRequest, VoicePrompt
+from gateway.tts.graphs import DeviceEvent, capture
 from gateway.tts.qwen import (
     DEFAULT_CHUNK_SCHEDULE,
     DEFAULT_MODEL,
@@ -92,9 +95,9 @@ def batch_buckets(cap: int) -> tuple[int, ...]:
     return (*(b for b in BATCH_BUCKETS if b < cap), cap)
 
 
-def kv_len_for(need: int, max_seq_len: int, on_cuda: bool) -> int:
-    """Positions a step attends for a longest row of ``need`` keys (a graph shape on CUDA)."""
-    if on_cuda:
+def kv_len_for(need: int, max_seq_len: int, graphs: bool) -> int:
+    """Positions a step attends for a longest row of ``need`` keys (a graph shape with graphs)."""
+    if graphs:
         size = CUDA_KV_MIN
         while size < need:
             size *= 2
@@ -116,40 +119,6 @@ def _inference(method: _F) -> _F:
             return method(*args, **kwargs)
 
     return cast(_F, wrapper)
-
-
-class _EagerReplay:
-    """Stands in for ``torch.cuda.CUDAGraph`` on CPU: ``replay()`` runs the step eagerly."""
-
-    def __init__(self, step: Callable[[], None]) -> None:
-        self._step = step
-
-    def replay(self) -> None:
-        self._step()
-
-
-def capture(step: Callable[[], None], device: Any, pool: Any = None, warmup: int = 2) -> Any:
-    """The graph-capture seam: a CUDA graph of ``step`` on CUDA, an eager replayer elsewhere.
-
-    ``step`` reads and writes static buffers only (no host syncs, no shape changes), so
-    replaying the graph is running the step. Warm-up runs happen on a side stream as CUDA
-    graph capture requires; the caller makes them harmless (no row active).
-    """
-    import torch
-
-    if not str(device).startswith("cuda"):
-        return _EagerReplay(step)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        step()
-    torch.cuda.synchronize()
-    return graph
 
 
 @dataclass(eq=False)
@@ -251,6 +220,7 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         adaptive_chunks: bool = True,
         prefill_chunk: int = 0,
         cuda_graphs: bool | None = None,
+        max_top_k: int | None = None,
         record_codes: bool = False,
         record_logits: bool = False,
         attn_implementation: str = "sdpa",
@@ -275,10 +245,13 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         self.trim_leading_silence = trim_leading_silence
         self.adaptive_chunks = adaptive_chunks
         self.prefill_chunk = prefill_chunk
-        #: CUDA graphs per bucket (default: on CUDA); False replays the same step eagerly.
+        #: Graph mode: the step captured per (bucket, attended length) at warm-up and replayed
+        #: (default: on CUDA). On a CPU it runs through the capture stand-in (tests, dry runs:
+        #: slower than eager, never chosen by default); False runs the step eagerly.
         self.cuda_graphs = self.on_cuda if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not self.on_cuda:
-            raise ValueError("CUDA graphs need a CUDA device")
+            log.warning("graph mode on %s: the step runs through the CUDA-graph capture "
+                        "stand-in (for tests and dry runs; slower than eager)", self.device)
         #: Test and benchmark hooks: keep every row's codes / talker logits per frame.
         self.record_codes = record_codes
         self.record_logits = record_logits
@@ -289,26 +262,49 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         self.vocab = int(self._config.vocab_size)
         self.num_code_groups = int(self._config.num_code_groups)
         self._pred_vocab = int(self._talker.code_predictor.config.vocab_size)
+        #: The largest top-k a request may ask for in graph mode (0, "off", is the whole
+        #: vocabulary). The sorted-candidate count (:func:`kcap_for`) is a shape, so graphs
+        #: are captured for this envelope once, at warm-up, and never while serving; a
+        #: narrower request samples the same tokens from it. Eager steps follow their rows.
+        top = max_top_k if max_top_k is not None else max(DEFAULT_SAMPLING.top_k,
+                                                          DEFAULT_SAMPLING.predictor_top_k)
+        if top < 0:
+            raise ValueError("max_top_k must be >= 0 (0: the whole vocabulary)")
+        self.max_top_k = top
+        self._tk = kcap_for([top], self.vocab)
+        self._pk = kcap_for([top], self._pred_vocab)
         self._prompts = _prompt_builder(shared, self.max_seq_len)
         self._epoch = 0
         self._rows: list[BatchRow] = []
         #: Graph (or eager replayer) per (bucket, kv_len, talker kcap, predictor kcap).
         self._graphs: dict[tuple[int, int, int, int], Any] = {}
         self.captures = 0
+        #: Seconds spent capturing at the last warm-up or rebuild.
+        self.capture_s = 0.0
         self._owner: object | None = None
+        self._serving = False
         self._allocate()
         log.info(
             "batched engine %s: batch cap %d rows; talker KV %.1f MiB per row (%d positions), "
             "%.1f MiB for all rows; CUDA graphs %s",
             self.name, self.max_rows, self.kv_bytes_per_row / 2**20, self.max_seq_len,
-            self.kv_bytes_total / 2**20, "on" if self.cuda_graphs else "off (eager step)",
+            self.kv_bytes_total / 2**20, self.graph_mode,
         )
+
+    @property
+    def graph_mode(self) -> str:
+        """How the step runs: CUDA graphs, the capture stand-in, or eagerly."""
+        if not self.cuda_graphs:
+            return "off (eager step)"
+        return "on" if self.on_cuda else "stand-in (CPU, tests and dry runs)"
 
     # --- Engine API ---------------------------------------------------------------------------
 
     @property
     def name(self) -> str:
-        return f"qwen3-tts {self.model_id} on {self.device} (batched, {self.max_rows} rows)"
+        graphs = ", graph stand-in" if self.cuda_graphs and not self.on_cuda else ""
+        return (f"qwen3-tts {self.model_id} on {self.device} "
+                f"(batched, {self.max_rows} rows{graphs})")
 
     @property
     def kv_bytes_per_row(self) -> int:
@@ -341,7 +337,18 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
                 f"cloned voice {request.voice_prompt.name!r} needs a Base model "
                 f"(e.g. Qwen/Qwen3-TTS-12Hz-0.6B-Base); {self.model_id} is {kind!r}"
             )
-        (request.sampling or DEFAULT_SAMPLING).validate()
+        sampling = request.sampling or DEFAULT_SAMPLING
+        sampling.validate()
+        if self.cuda_graphs and (
+            kcap_for([sampling.top_k], self.vocab) > self._tk
+            or kcap_for([sampling.predictor_top_k], self._pred_vocab) > self._pk
+        ):
+            raise ValueError(
+                f"sampling top_k {sampling.top_k} / predictor_top_k {sampling.predictor_top_k} "
+                f"needs more candidates than this engine's graphs were captured for (top-k up to "
+                f"{self.max_top_k or 'the whole vocabulary'}; max_top_k, 0 for the whole "
+                "vocabulary)"
+            )
 
     def warmup(self, voices: Sequence[tuple[str, str] | VoicePrompt] = ()) -> None:
         """Capture the CUDA graphs of every bucket (GPU), then one turn per voice.
@@ -422,6 +429,7 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
     def claim(self, owner: object) -> None:
         """Mark the engine as driven by ``owner`` (its :meth:`stream` then refuses to run)."""
         self._owner = owner
+        self._serving = True
 
     @_inference
     def open(self, request: SpeechRequest) -> BatchRow:
@@ -645,15 +653,16 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         if self.cuda_graphs:
             # A graph per batch bucket: the step runs at the bucket, padding rows masked.
             bucket = bucket_for(len(self._rows), self._cap)
+            tk, pk = self._tk, self._pk
         else:
             # Eager there is nothing to pad for: rows [0, highest stepping row] only. Rows are
             # kept compact (close moves the last into the gap), so 5 rows cost 5, not 8, and a
             # newcomer still prefilling in the last row is not computed as a masked row.
             bucket = max(index) + 1
+            tk = kcap_for([row.sampling.top_k for row in rows], self.vocab)
+            pk = kcap_for([row.sampling.predictor_top_k for row in rows], self._pred_vocab)
         need = max(row.length for row in rows) + 1
         kv_len = kv_len_for(need, self.max_seq_len, self.cuda_graphs)
-        tk = kcap_for([row.sampling.top_k for row in rows], self.vocab)
-        pk = kcap_for([row.sampling.predictor_top_k for row in rows], self._pred_vocab)
 
         active = self._active_host
         active.zero_()
@@ -671,13 +680,15 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         self._replayer(bucket, kv_len, tk, pk).replay()
 
         codes = self._out_codes[:bucket].clone()
-        if self.on_cuda:
+        if self._codes_host is not None:
+            # Device buffers (CUDA, or graph mode): one copy out and one sync per step, for
+            # every row at once.
             host_codes = self._codes_host[:bucket]
             host_next = self._next_host[:bucket]
             host_codes.copy_(codes, non_blocking=True)
             host_next.copy_(self._token[:bucket], non_blocking=True)
             self._done.record()
-            self._done.synchronize()  # one sync per step, for every row at once
+            self._done.synchronize()
             next_tokens = host_next.tolist()
         else:
             host_codes = codes
@@ -726,16 +737,28 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
             audio = out.trimmer.push(audio)
         return audio
 
+    @_inference
     def capture_all(self) -> None:
-        """Capture the step for every batch bucket and attended length (default sampling)."""
-        tk = kcap_for([DEFAULT_SAMPLING.top_k], self.vocab)
-        pk = kcap_for([DEFAULT_SAMPLING.predictor_top_k], self._pred_vocab)
-        lengths = sorted({kv_len_for(n, self.max_seq_len, True)
-                          for n in (1, *(2**k for k in range(8, 16)))
-                          if n <= self.max_seq_len})
+        """Capture the step for every batch bucket and attended length (graph mode).
+
+        The sampling shape is the engine's envelope (``max_top_k``), the same for every step,
+        so after this nothing is captured while serving. Runs under inference mode, as every
+        engine buffer was made there (an in-place write to one outside it is refused).
+        """
+        t0 = time.perf_counter()
+        before = self.captures
         for bucket in batch_buckets(self._cap):
-            for kv_len in lengths:
-                self._replayer(bucket, kv_len, tk, pk)
+            for kv_len in self.kv_lengths():
+                self._replayer(bucket, kv_len, self._tk, self._pk)
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %d step graph(s) (%d batch buckets x %d attended lengths, top-k %d/%d)"
+                 " in %.2f s (%s)", self.captures - before, len(batch_buckets(self._cap)),
+                 len(self.kv_lengths()), self._tk, self._pk, self.capture_s, self.graph_mode)
+
+    def kv_lengths(self) -> list[int]:
+        """The attended lengths a graph-mode step can run at (one graph each per bucket)."""
+        return sorted({kv_len_for(n, self.max_seq_len, True)
+                       for n in (1, *(2**k for k in range(8, 16))) if n <= self.max_seq_len})
 
     def _replayer(self, bucket: int, kv_len: int, tk: int, pk: int) -> Any:
         key = (bucket, kv_len, tk, pk)
@@ -745,16 +768,20 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
                 self._step_body(bucket, kv_len, tk, pk)
 
             if self.cuda_graphs:
+                if self._serving:
+                    log.warning("capturing a step graph while serving (batch %d, %d positions): "
+                                "a stall for every live turn", bucket, kv_len)
                 # Capture warm-ups run the step for real: with no row active they change
                 # nothing but scratch positions and output buffers.
                 saved = self._active.clone()
                 self._active.zero_()
-                graph = capture(run, self.device, self._pool)
+                graph = capture(run, self.device, self._pool, static=self._static,
+                                host=self._host)
                 self._active.copy_(saved)
-                log.info("captured step graph: batch %d, %d positions, top-k %d/%d",
-                         bucket, kv_len, tk, pk)
+                log.debug("captured step graph: batch %d, %d positions, top-k %d/%d",
+                          bucket, kv_len, tk, pk)
             else:
-                graph = capture(run, self.device)
+                graph = capture(run, self.device, graphs=False)
             self.captures += 1
             self._graphs[key] = graph
         return graph
@@ -882,19 +909,23 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
             pin = self.on_cuda
             self._active_host = torch.zeros(cap, dtype=torch.bool, pin_memory=pin)
             self._uniform_host = torch.zeros(cap, DRAWS_PER_FRAME, dtype=f32, pin_memory=pin)
-            if self.on_cuda:
+            self._done = DeviceEvent(self.on_cuda)
+            self._pool = (torch.cuda.graph_pool_handle()
+                          if self.on_cuda and self.cuda_graphs else None)
+            if self.on_cuda or self.cuda_graphs:
+                # The step reads device buffers that the host's staging buffers are copied
+                # into, and its outputs come back through host buffers in one copy per step
+                # (in graph mode on a CPU too, so the stand-in checks that path).
                 self._active = torch.zeros(cap, dtype=torch.bool, device=dev)
                 self._uniforms = torch.zeros(cap, DRAWS_PER_FRAME, dtype=f32, device=dev)
-                self._codes_host = torch.zeros(cap, self.num_code_groups, dtype=long,
-                                               pin_memory=True)
-                self._next_host = torch.zeros(cap, dtype=long, pin_memory=True)
-                self._done = torch.cuda.Event()
-                self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+                self._codes_host: Any = torch.zeros(cap, self.num_code_groups, dtype=long,
+                                                    pin_memory=pin)
+                self._next_host: Any = torch.zeros(cap, dtype=long, pin_memory=pin)
             else:
-                # On CPU the step reads the host staging buffers directly.
+                # Eager on a CPU the step reads the host staging buffers directly.
                 self._active = self._active_host
                 self._uniforms = self._uniform_host
-                self._pool = None
+                self._codes_host = self._next_host = None
             self._key_index = torch.arange(self.max_seq_len, device=dev)
             self._cache_position = torch.zeros(1, dtype=long, device=dev)
             self._pred_positions = [torch.arange(2, device=dev)] + [
@@ -910,6 +941,20 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
             eos = torch.zeros(self.vocab, dtype=torch.bool, device=dev)
             eos[self.eos_id] = True
             self._eos_column = eos
+            #: What a captured step may read and write (graph mode checks it against these):
+            #: the talker's and predictor's weights, the caches and every state buffer ...
+            self._static = [
+                *self._talker.parameters(), *self._talker.buffers(),
+                *cpu_linear.packed_weights(self._talker),
+                *self._kv.keys, *self._kv.values, *self._pcache.keys, *self._pcache.values,
+                *self._state, self._addend, self._out_codes, self._out_logits,
+                self._out_plogits, self._active, self._uniforms, self._key_index,
+                self._cache_position, *self._pred_positions, self._suppress, self._eos_column,
+            ]
+            #: ... and what it must not touch: the host side of the staging copies.
+            self._host = [t for t in (self._active_host, self._uniform_host, self._codes_host,
+                                      self._next_host) if t is not None and
+                          t is not self._active and t is not self._uniforms]
 
 
 def _prompt_builder(shared: QwenModel, max_seq_len: int) -> Any:

@@ -35,6 +35,7 @@ from gateway.audio.condition import LeadingSilenceTrimmer
 from gateway.errors import EngineError, ModelLoadError
 from gateway.tts.chunking import ChunkPlanner
 from gateway.tts.codec_stream import StreamingCodecDecoder, WindowedCodecDecoder
+from gateway.tts.device import resolve_device
 from gateway.tts.engine import Engine, Sampling, SpeechRequest, VoicePrompt
 
 log = logging.getLogger(__name__)
@@ -84,17 +85,6 @@ def _eager_capture(graph_obj: Any) -> None:
     step = graph_obj._full_loop if hasattr(graph_obj, "_full_loop") else graph_obj._decode_step
     graph_obj.graph = _EagerReplay(step)
     graph_obj.captured = True
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when a CUDA device exists, else ``cpu``."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError("--device cuda was requested but no CUDA device is available")
-    return device
 
 
 def parse_chunk_schedule(spec: str | Sequence[int]) -> tuple[int, ...]:
@@ -195,10 +185,11 @@ class QwenModel:
         self.device = resolve_device(device)
         self.base, self.torch_dtype = _load_base(model, self.device, dtype, attn_implementation)
         inner = self.base.model
-        if not self.on_cuda and attn_implementation == "sdpa":
+        if attn_implementation == "sdpa":
             from gateway.tts import attention
 
-            # The batched step's masked attention without a copy of every key and value head.
+            # The batched step's masked attention without a copy of every key and value head
+            # (on the CPU through SDPA's own GQA, on CUDA by folding the query heads).
             attention.install(inner)
         if not self.on_cuda and cpu_linear == "onednn":
             # Every frame on the CPU is almost all the talker's matrix products: oneDNN over
