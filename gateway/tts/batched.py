@@ -778,8 +778,9 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
                 graph = capture(run, self.device, self._pool, static=self._static,
                                 host=self._host)
                 self._active.copy_(saved)
-                log.debug("captured step graph: batch %d, %d positions, top-k %d/%d",
-                          bucket, kv_len, tk, pk)
+                ops = getattr(graph, "ops", None)
+                log.info("captured step graph: batch %d, %d positions, top-k %d/%d%s", bucket,
+                         kv_len, tk, pk, f" (stand-in, {ops} operators)" if ops else "")
             else:
                 graph = capture(run, self.device, graphs=False)
             self.captures += 1
