@@ -26,16 +26,19 @@ import time
 from pathlib import Path
 
 from common import TEXTS, pct, print_table, run_callers
+from slot_engine import SlotEngine, SlotService
 
 from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.engine import Engine
-from gateway.tts.qwen import QwenEngine, QwenModel
+from gateway.tts.qwen import QwenModel
 from gateway.tts.service import SpeechService
 
 
 async def run_level(engines: list[Engine], concurrency: int, turns: int,
                     frames: int) -> tuple[list, float]:  # type: ignore[type-arg]
-    service = SpeechService(engines, first_audio_budget_s=0.2)
+    service: SpeechService | SlotService = (
+        SpeechService(engines, first_audio_budget_s=0.2)
+        if isinstance(engines[0], BatchedQwenEngine) else SlotService(engines))
     service.start()
     try:
         return await run_callers(service, concurrency, turns, frames)
@@ -108,7 +111,7 @@ def main() -> None:
                                      cuda_graphs={"auto": None, "on": True,
                                                   "off": False}[args.graphs])]
     else:
-        engines = [QwenEngine(shared, chunk_schedule=args.chunk_schedule,
+        engines = [SlotEngine(shared, chunk_schedule=args.chunk_schedule,
                               codec_decode=args.codec_decode) for _ in range(max(levels))]
     for engine in engines:
         engine.warmup()

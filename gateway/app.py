@@ -80,37 +80,33 @@ EngineFactory = Callable[[Settings], Sequence[Engine]]
 
 
 def default_engine_factory(settings: Settings) -> list[Engine]:
-    """The real engines: Qwen3-TTS loaded once with ``from_pretrained`` of ``settings.model``,
-    then one batched engine for the device (or, with ``engine=slots``, ``settings.slots``
-    slots over the shared weights)."""
+    """The real engine: Qwen3-TTS loaded once with ``from_pretrained`` of ``settings.model``,
+    and one batched engine for the device; or, with ``engine=simulated``, a simulated device
+    (chosen only explicitly)."""
+    if settings.engine == "simulated":
+        from gateway.tts.simulated import SimulatedEngine, load_profile
+
+        return [SimulatedEngine(load_profile(settings.device_profile),
+                                max_rows=settings.batch_rows,
+                                chunk_schedule=settings.chunk_schedule,
+                                adaptive_chunks=settings.adaptive_chunks,
+                                prefill_chunk=settings.prefill_chunk)]
     from gateway.tts.batched import BatchedQwenEngine
-    from gateway.tts.qwen import QwenEngine, QwenModel
+    from gateway.tts.qwen import QwenModel
 
     shared = QwenModel(settings.model, device=settings.device, dtype=settings.dtype)
-    if settings.engine == "batched":
-        return [
-            BatchedQwenEngine(
-                shared,
-                max_rows=settings.batch_rows,
-                max_seq_len=settings.max_seq_len,
-                chunk_schedule=settings.chunk_schedule,
-                codec_decode=settings.codec_decode,
-                trim_leading_silence=False,  # the phone path trims (gateway.audio.condition)
-                adaptive_chunks=settings.adaptive_chunks,
-                prefill_chunk=settings.prefill_chunk,
-                cuda_graphs={"auto": None, "on": True, "off": False}[settings.cuda_graphs],
-            )
-        ]
     return [
-        QwenEngine(
+        BatchedQwenEngine(
             shared,
-            chunk_schedule=settings.chunk_schedule,
+            max_rows=settings.batch_rows,
             max_seq_len=settings.max_seq_len,
+            chunk_schedule=settings.chunk_schedule,
             codec_decode=settings.codec_decode,
             trim_leading_silence=False,  # the phone path trims (gateway.audio.condition)
             adaptive_chunks=settings.adaptive_chunks,
+            prefill_chunk=settings.prefill_chunk,
+            cuda_graphs={"auto": None, "on": True, "off": False}[settings.cuda_graphs],
         )
-        for _ in range(settings.slots)
     ]
 
 
@@ -473,7 +469,6 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
         ahead_high_s=settings.ahead_high_ms / 1000,
         ahead_low_s=settings.ahead_low_ms / 1000,
         step_timeout_s=settings.engine_step_timeout_ms / 1000 or None,
-        warmup_voices=warmup,
     )
     speech.start()
     gateway.speech = speech

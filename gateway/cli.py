@@ -248,19 +248,20 @@ def say(
     from gateway.app import conditioning
     from gateway.audio.framer import PhonePipeline
     from gateway.audio.g711 import ulaw_decode
+    from gateway.tts.batched import BatchedQwenEngine
     from gateway.tts.engine import SpeechRequest
-    from gateway.tts.qwen import QwenEngine
 
     if encoding not in ("pcm", "ulaw"):
         raise GatewayError("--encoding must be pcm or ulaw")
     settings = _settings(model=model, device=device, speaker=speaker, language=language)
     _setup_logging("warning")
     _require_model(settings.model)
-    engine = QwenEngine(
-        model=settings.model, device=settings.device, dtype=settings.dtype,
+    # The gateway's own engine, one row: the audio a caller would hear for this text.
+    engine = BatchedQwenEngine(
+        model=settings.model, device=settings.device, dtype=settings.dtype, max_rows=1,
         chunk_schedule=settings.chunk_schedule, max_seq_len=settings.max_seq_len,
         codec_decode=settings.codec_decode, trim_leading_silence=False,
-        adaptive_chunks=settings.adaptive_chunks,
+        adaptive_chunks=settings.adaptive_chunks, cuda_graphs=False,
     )
     request = SpeechRequest(text=text, speaker=settings.speaker, language=settings.language,
                             instruct=settings.instruct, seed=seed)

@@ -51,11 +51,20 @@ class Settings(BaseSettings):
         "1,2,4,8",
         description="Codec frames (80 ms each) per streamed chunk; the last entry repeats.",
     )
-    engine: Literal["batched", "slots"] = Field(
+    engine: Literal["batched", "simulated"] = Field(
         "batched",
-        description="batched: one stepping loop per device advances every live turn in one "
-        "batched step (the default); slots: GATEWAY_SLOTS independent batch-1 engines (the "
-        "baseline bench/batching.py compares against).",
+        description="batched: one engine core per device advances every live turn in one "
+        "batched step. simulated: the same core over a simulated device whose calls take the "
+        "times GATEWAY_DEVICE_PROFILE gives and whose audio is synthetic (capacity planning "
+        "and tests; never a fallback, named SIMULATED in /readyz and the logs). The slot "
+        "engine the batched one replaced is bench/slot_engine.py, the batching benchmark's "
+        "baseline.",
+    )
+    device_profile: str = Field(
+        "h200-0.6b-anchors",
+        description="With GATEWAY_ENGINE=simulated: a built-in device profile "
+        "(gateway/tts/profiles/) or a profile JSON file, e.g. one bench/gpu_batching.sh wrote "
+        "on a real GPU.",
     )
     batch_rows: int | None = Field(
         None, ge=1, le=256,
@@ -68,11 +77,6 @@ class Settings(BaseSettings):
         description="Prompt tokens per prefill chunk run between batched steps (0: whole "
         "prompts). Smaller chunks bound how long a newcomer's prefill can hold the running "
         "turns back on a slow device.",
-    )
-    slots: int = Field(
-        1, ge=1, le=64,
-        description="With GATEWAY_ENGINE=slots: engine slots per GPU, each generating one turn "
-        "at a time with its own KV cache and CUDA graphs over shared weights.",
     )
     adaptive_chunks: bool = Field(
         True,

@@ -36,8 +36,8 @@ from gateway.ivr.prompts import ResolvedVoice, audio_identity, render_missing, r
 from gateway.ivr.runner import IvrRunner, RunnerContext
 from gateway.ivr.script import Script, load_script, parse_script
 from gateway.speech import Speaker, Voice
+from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.engine import Engine, SpeechRequest
-from gateway.tts.qwen import QwenEngine
 from gateway.tts.service import SpeechService
 
 DEMO = Path(__file__).resolve().parent.parent / "prompts" / "demo.yaml"
@@ -97,8 +97,8 @@ class MemoryTransport:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path) -> QwenEngine:
-    engine = QwenEngine(str(tiny_model_dir), device="cpu")
+def engine(tiny_model_dir: Path) -> BatchedQwenEngine:
+    engine = BatchedQwenEngine(str(tiny_model_dir), device="cpu", max_rows=4)
     engine.warmup()
     return engine
 
@@ -524,7 +524,7 @@ def clone_setup(tiny_base_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     registry.add(
         "anna", folder / "ref.wav", "Hello, this is Anna.", base_model=str(tiny_base_model_dir)
     )
-    engine = QwenEngine(str(tiny_base_model_dir), device="cpu")
+    engine = BatchedQwenEngine(str(tiny_base_model_dir), device="cpu", max_rows=4)
     return registry, engine, folder
 
 
@@ -558,7 +558,7 @@ async def test_a_script_speaks_with_a_registered_cloned_voice(clone_setup: Any) 
         service.stop()
 
 
-def test_a_cloned_voice_needs_a_base_model(engine: QwenEngine, clone_setup: Any) -> None:
+def test_a_cloned_voice_needs_a_base_model(engine: BatchedQwenEngine, clone_setup: Any) -> None:
     from gateway.errors import EngineError
     from gateway.tts.engine import SpeechRequest
 

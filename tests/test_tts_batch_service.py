@@ -63,13 +63,9 @@ def _frames(chunks: Sequence[np.ndarray]) -> int:
 
 async def _until(service: SpeechService, predicate: Callable[[], bool], timeout: float = 20.0,
                  ) -> None:
-    """Wait (off the event loop) until ``predicate`` holds; the service notifies its condition
-    whenever health changes."""
-    def wait() -> bool:
-        with service._cond:
-            return service._cond.wait_for(predicate, timeout)
-
-    assert await asyncio.to_thread(wait), "condition not reached"
+    """Wait (off the event loop) until ``predicate`` holds; the service re-checks it whenever a
+    turn or a core's health changes."""
+    assert await asyncio.to_thread(service.wait_for, predicate, timeout), "condition not reached"
 
 
 class _Recorder(BatchedQwenEngine):
@@ -344,9 +340,9 @@ async def test_a_burst_of_newcomers_is_prefilled_in_one_call_and_starts_in_one_s
 ) -> None:
     engine = _Recorder(shared, max_rows=4, trim_leading_silence=False)
     service = service_factory(engine)
-    # The service's condition is reentrant: holding it, the four are queued before the loop
-    # can admit any, as when four callers' turns arrive between two of its iterations.
-    with service._cond:
+    # The core's condition is reentrant: holding it, the four are queued before the core can
+    # admit any, as when four callers' turns arrive between two of its iterations.
+    with service.cores[0]._cond:
         streams = [service.stream(_request(f"Caller number {i} speaks.", 6, seed=i))
                    for i in range(4)]
     outs = await asyncio.gather(*(_drain(stream) for stream in streams))
@@ -361,7 +357,7 @@ async def test_a_failed_prefill_together_is_retried_one_by_one_and_fails_only_it
     engine = _Recorder(shared, max_rows=4, trim_leading_silence=False)
     engine.poison = "Poisoned prompt."
     service = service_factory(engine)
-    with service._cond:
+    with service.cores[0]._cond:
         before = service.stream(_request("Arrived first.", 6))
         poisoned = service.stream(_request("Poisoned prompt.", 6))
         after = service.stream(_request("Arrived last.", 6, seed=3))
