@@ -701,6 +701,7 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
             self._active[:bucket].copy_(active[:bucket], non_blocking=True)
             self._uniforms[:bucket].copy_(uniforms[:bucket], non_blocking=True)
 
+        t_device = time.perf_counter()
         self._replayer(bucket, kv_len, tk, pk).replay()
 
         codes = self._out_codes[:bucket].clone()
@@ -717,6 +718,7 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         else:
             host_codes = codes
             next_tokens = self._token[:bucket].tolist()
+        self.device_s += time.perf_counter() - t_device
         if self._codec is not None:
             # Every advancing row's new frame into its pending codes, in one indexed write.
             slots = [row.codec_slot for row in rows]
@@ -785,8 +787,10 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
                     chunk = group[start : start + self._cap]
                     parts.append((chunk, n, self._decode_group(chunk, n)))
             # One copy to the host for every row's audio.
+            t_device = time.perf_counter()
             host = torch.cat([audio.reshape(-1) for _g, _n, audio in parts]).float().cpu()
             flat = host.numpy()
+            self.device_s += time.perf_counter() - t_device
             offset = 0
             for group, n, _audio in parts:
                 size = n * SAMPLES_PER_FRAME
@@ -834,8 +838,12 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         if self.record_codes:
             for row in rows:
                 row.chunks.append(self._pending_codes[row.codec_slot, :n].to("cpu", copy=True))
-        self._codec_replayer(n, bucket).replay()
-        return self._codec_out[:count, : n * SAMPLES_PER_FRAME].clone()
+        replayer = self._codec_replayer(n, bucket)
+        t_device = time.perf_counter()
+        replayer.replay()
+        audio = self._codec_out[:count, : n * SAMPLES_PER_FRAME].clone()
+        self.device_s += time.perf_counter() - t_device
+        return audio
 
     def _codec_replayer(self, n: int, bucket: int) -> Any:
         key = (n, bucket)

@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from gateway.errors import EngineError
@@ -45,7 +46,26 @@ from gateway.tts.scheduler import Scheduler, SchedulerConfig, Turn, TurnSink
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoreEvents", "EngineCore", "Outbox"]
+__all__ = ["CoreEvents", "CoreTimes", "EngineCore", "Outbox"]
+
+
+@dataclass
+class CoreTimes:
+    """Where a core's iterations went: the device (the engine's replays, device work and
+    copies back) and everything else, the host's share (scheduling, staging, bookkeeping,
+    delivery). Iterations that ran a step only."""
+
+    steps: int = 0
+    busy_s: float = 0.0
+    device_s: float = 0.0
+    #: Host seconds of each stepped iteration (the most recent few thousand).
+    host_s: list[float] = field(default_factory=list)
+    #: Rows in each stepped iteration's step, beside ``host_s``.
+    rows: list[int] = field(default_factory=list)
+
+    @property
+    def host_total_s(self) -> float:
+        return self.busy_s - self.device_s
 
 
 class Outbox:
@@ -119,6 +139,8 @@ class CoreEvents(Protocol):
         """``outcome``: completed, cancelled, stopped (left unheard), failed, dropped (never
         started)."""
     def stepped(self, rows: int, seconds: float, interval: float | None) -> None: ...
+    def iteration(self, rows: int, host_s: float) -> None:
+        """An iteration that stepped ``rows`` rows spent ``host_s`` on the host."""
     def prefilled(self, seconds: float) -> None: ...
     def rows_waiting(self, *, backpressure: int, urgency: int, prefill: int) -> None: ...
     def counted(self, *, pauses: int = 0, backpressure_waits: int = 0,
@@ -148,6 +170,8 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._outbox = Outbox()
         self._last_step_start: float | None = None
+        self.times = CoreTimes()
+        self._stepped_rows = 0
 
     # --- the front's side (any thread) ------------------------------------------------------------
 
@@ -240,6 +264,9 @@ class EngineCore:
                 self._recover_from_stuck()
                 continue
             assert admission is not None
+            t_iteration = time.perf_counter()
+            device_before = self.engine.device_s
+            self._stepped_rows = 0
             self._settle(admission)
             ran = False
             try:
@@ -253,6 +280,9 @@ class EngineCore:
                 self._after_failed_step(exc)
                 ran = True
             self._outbox.flush()
+            if self._stepped_rows:
+                self._account(time.perf_counter() - t_iteration,
+                              self.engine.device_s - device_before)
             if self.stuck:
                 continue
             if not ran:
@@ -374,7 +404,21 @@ class EngineCore:
         self.scheduler.stepped(bucket, elapsed)
         interval = None if self._last_step_start is None else now - self._last_step_start
         self._last_step_start = now
+        self._stepped_rows = len(rows)
         self.events.stepped(len(rows), elapsed, interval)
+
+    def _account(self, busy_s: float, device_s: float) -> None:
+        """One stepped iteration: its host time (all but the device's) goes on the record."""
+        times = self.times
+        host = max(0.0, busy_s - device_s)
+        times.steps += 1
+        times.busy_s += busy_s
+        times.device_s += device_s
+        times.host_s.append(host)
+        times.rows.append(self._stepped_rows)
+        if len(times.host_s) > 8192:
+            del times.host_s[:4096], times.rows[:4096]
+        self.events.iteration(self._stepped_rows, host)
 
     def _emit(self, order: list[Turn]) -> bool:
         """Decode every due chunk in one batched call, deliver them (in ``order``), and finish

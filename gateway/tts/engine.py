@@ -219,6 +219,10 @@ class BatchEngine(Engine):
     max_rows: int
     #: Tokens per prefill chunk (0: whole prompts), fixed per engine.
     prefill_chunk: int
+    #: Seconds spent on (or waiting for) the device so far: graph replays or eager device
+    #: work, device-to-host copies; the rest of an engine call is host work. The core reads
+    #: it to report host time per step (``gateway_tts_step_host_seconds``).
+    device_s: float = 0.0
 
     @property
     @abc.abstractmethod

@@ -253,6 +253,10 @@ class SpeechService:
             self.metrics.tts_batch_size.observe(rows)
             self.metrics.tts_step_seconds.observe(seconds)
 
+    def iteration(self, rows: int, host_s: float) -> None:
+        if self.metrics is not None:
+            self.metrics.tts_step_host_seconds.observe(host_s)
+
     def prefilled(self, seconds: float) -> None:
         append_bounded(self.stats.prefill_s, seconds)
         if self.metrics is not None:

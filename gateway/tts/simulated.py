@@ -164,30 +164,47 @@ def _bucket(rows: int, cap: int) -> int:
     return next((b for b in _BUCKETS if b >= rows and b <= cap), cap)
 
 
+def _voice_loop(f0: float, seconds: float = 2.0) -> np.ndarray:
+    """A voiced, syllable-paced signal at speech level that loops without a click: a harmonic
+    tone whose pitch wanders and whose loudness moves at ~4 syllables a second, plus a little
+    breath noise (trimmed, levelled and detected as speech by the phone path like a voice)."""
+    n = int(seconds * SAMPLE_RATE)
+    t = np.arange(n) / SAMPLE_RATE
+    # Whole cycles of every modulation in ``seconds``, so that the loop joins smoothly.
+    vibrato = 1 + 0.08 * np.sin(2 * np.pi * (1 / seconds) * t)
+    phase = 2 * np.pi * np.cumsum(f0 * vibrato) / SAMPLE_RATE
+    phase *= round(float(phase[-1]) / (2 * np.pi)) * 2 * np.pi / float(phase[-1])
+    voiced = np.sin(phase) + 0.5 * np.sin(2 * phase) + 0.25 * np.sin(3 * phase)
+    envelope = 0.55 + 0.45 * np.sin(2 * np.pi * (8 / seconds) * t)
+    breath = 0.004 * np.random.default_rng(int(f0)).standard_normal(n)
+    return (0.12 * envelope * voiced + breath).astype(np.float32)
+
+
+#: Pitches the simulated voices speak at (a loop each, made once per process).
+_PITCHES = (110.0, 125.0, 140.0, 155.0, 170.0, 185.0, 200.0, 215.0)
+_LOOPS: dict[float, np.ndarray] = {}
+
+
 class _Voice:
-    """A deterministic speech-like signal for one row: a voiced harmonic tone whose pitch and
-    loudness move at syllable rate, with a little breath noise (trimmed, levelled and detected
-    as speech by the phone path like a voice)."""
+    """One row's speech: a loop of one pitch from a seeded starting point (a slice per chunk:
+    no synthesis on the engine's thread)."""
 
     def __init__(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
-        self.f0 = float(rng.uniform(110, 210))
-        self.rate = float(rng.uniform(3.5, 5.0))  # syllables per second
-        self.noise = np.random.default_rng(seed + 1)
-        self.sample = 0
-        self.phase = 0.0
+        f0 = _PITCHES[int(rng.integers(len(_PITCHES)))]
+        loop = _LOOPS.get(f0)
+        if loop is None:
+            loop = _LOOPS.setdefault(f0, _voice_loop(f0))
+        self.loop = loop
+        self.sample = int(rng.integers(len(loop)))
 
     def chunk(self, frames: int) -> np.ndarray:
         n = frames * SAMPLES_PER_FRAME
-        t = (self.sample + np.arange(n)) / SAMPLE_RATE
-        pitch = self.f0 * (1 + 0.08 * np.sin(2 * np.pi * 0.7 * t))
-        phase = self.phase + 2 * np.pi * np.cumsum(pitch) / SAMPLE_RATE
-        voiced = (np.sin(phase) + 0.5 * np.sin(2 * phase) + 0.25 * np.sin(3 * phase))
-        envelope = 0.55 + 0.45 * np.sin(2 * np.pi * self.rate * t)
-        audio = 0.12 * envelope * voiced + 0.004 * self.noise.standard_normal(n)
+        start = self.sample % len(self.loop)
         self.sample += n
-        self.phase = float(phase[-1] % (2 * np.pi))
-        return audio.astype(np.float32)
+        if start + n <= len(self.loop):
+            return self.loop[start : start + n].copy()
+        return np.resize(np.roll(self.loop, -start), n)
 
 
 @dataclass(eq=False)
