@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table  # noqa: E402
+from common import print_table
 
-from gateway.tts.engine import BatchEngine, SpeechRequest  # noqa: E402
-from gateway.tts.service import SpeechService  # noqa: E402
+from gateway.tts.engine import BatchEngine, SpeechRequest
+from gateway.tts.service import SpeechService
 
 LEVELS = (1, 8, 16, 32, 64)
 

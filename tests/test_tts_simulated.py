@@ -49,10 +49,10 @@ def test_a_profile_file_round_trips_and_a_bad_one_is_a_clear_error(tmp_path: Pat
     # Measured steps: the smallest bucket and length that hold the call, scaled past the last.
     assert loaded.step_ms(1, 200) == 5.0 and loaded.step_ms(3, 300) == 9.0
     assert loaded.step_ms(16, 512) == 18.0
-    with pytest.raises(ConfigError, match="h200-0.6b-anchors"):
+    with pytest.raises(ConfigError, match=r"h200-0\.6b-anchors"):
         load_profile("no-such-profile")
     path.write_text(json.dumps({"name": "x"}))
-    with pytest.raises(ConfigError, match="measured.json"):
+    with pytest.raises(ConfigError, match=r"measured\.json"):
         load_profile(str(path))
 
 
