@@ -67,6 +67,7 @@ from gateway.metrics import Metrics
 from gateway.readiness import Readiness
 from gateway.sip.endpoint import SipEndpoint
 from gateway.speech import Speaker, Voice
+from gateway.text import Reader, Reading
 from gateway.tts.engine import Engine, VoicePrompt
 from gateway.tts.service import SpeechService
 from gateway.twilio.rest import CallUpdater
@@ -487,7 +488,9 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
         if gateway.switchboard is not None:
             gateway.dialogs.install(gateway.switchboard)
         else:
-            gateway.dialogs.install(GreeterDialogs(Speaker(speech, voices[0]), settings.greeting))
+            reader = Reader(voices[0].language, Reading(free_text=settings.free_text))
+            gateway.dialogs.install(GreeterDialogs(Speaker(speech, voices[0]), settings.greeting,
+                                                   reader))
     gateway.readiness.mark_ready(engines[0].name)
     log.info("ready: %s, %d turn(s) at once (load + warm-up %.1f s)", engines[0].name,
              speech.capacity, clock.now() - t0)

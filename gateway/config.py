@@ -255,6 +255,12 @@ class Settings(BaseSettings):
         "Press any key on your phone and I will read it back to you.",
         description="What the caller hears on answer.",
     )
+    free_text: Literal["off", "numbers", "full"] = Field(
+        "full",
+        description="What the greeter (no script) has read aloud in its sentences: off, "
+        "numbers (numbers and ordinals in words), or full (also amounts, dates, times and "
+        "phone numbers); scripts set theirs with 'reading: {free_text: ...}'.",
+    )
     max_message_bytes: int = Field(
         64 * 1024, ge=1024, description="Largest accepted Media Streams message."
     )

@@ -54,7 +54,7 @@ from gateway.tts.service import SpeechService, SpeechStream
 pytestmark = pytest.mark.slow
 
 SORRY = "Sorry, something went wrong on our side."
-BALANCE = "Your balance is"
+BALANCE = "Your balance on account"
 
 # --- fault injection --------------------------------------------------------------------------
 

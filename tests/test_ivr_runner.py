@@ -258,8 +258,11 @@ async def test_menu_account_lookup_and_goodbye(
         }
     ]
     live = [u for u in h.call.utterances if not u.cached]
+    # The engine gets the words: the account read back digit by digit, the balance as money,
+    # the due date as a date (prompts/demo.yaml's say-as types).
     assert [u.text for u in live] == [
-        "Thanks, Dana. Your balance is 42.10 dollars, due on March 3."
+        "Thanks, Dana. Your balance on account one two three four five six is forty-two "
+        "dollars, ten cents, due on March third."
     ]
     # Hang up by saying nothing: one retry, then the fallback says goodbye and hangs up.
     await h.clock.advance(6)
@@ -398,7 +401,9 @@ async def test_webhook_values_are_read_as_text_never_as_templates(
     await h.press("123456#")
     await h.waiting_for_input()
     live = [u.text for u in h.call.utterances if not u.cached]
-    assert live == ["Thanks, {caller}. Your balance is {0.__class__} dollars, due on tomorrow."]
+    # Neither is of its say-as type: each is read as written (never interpreted), and said.
+    assert live == ["Thanks, {caller}. Your balance on account one two three four five six is "
+                    "{0.__class__}, due on tomorrow."]
     assert "nested" not in h.runner.variables
     h.call.deliver(Hangup(at=h.clock.now()))
     await h.finished()
@@ -842,10 +847,13 @@ async def test_each_call_logs_one_trace_record_at_hang_up(
     heard = trace["heard"]
     assert heard[0] == {"node": "welcome", "text": "Thank you for calling Acme Energy.",
                         "language": "English", "voice": "ryan", "at": 0.0, "cached": True,
-                        "interrupted": False}
+                        "interrupted": False, "words": "Thank you for calling Acme Energy."}
     assert heard[1]["language"] == "Spanish"
     live = next(h for h in heard if h["node"] == "balance")
     assert live["text"].startswith("Thanks, Dana.") and not live["cached"]
+    # The sentence as written (its values as the backend sent them) and the words spoken.
+    assert "is 42.10, due on March 3." in live["text"]
+    assert "is forty-two dollars, ten cents, due on March third." in live["words"]
     times = [v["at"] for v in trace["visits"]]
     assert times == sorted(times) and times[2] >= 2.0
     assert trace["outcome"] == "hangup" and trace["target"] is None

@@ -150,7 +150,7 @@ def _rules(language: Language, conventions: Conventions, mode: FreeTextMode) -> 
         add(rf"{before}(?P<sign>-)?(?P<n>{number})\s?(?P<sym>[A-Z]{{3}}(?![\w])|{symbols})",
             lambda m: _amount(m, language, conventions))
         add(r"(?<![\w/.-])\d{4}-\d{1,2}-\d{1,2}(?![\w/-])|(?<![\w/.-])\d{1,2}[/.-]\d{1,2}"
-            r"[/.-](?:\d{4}|\d{2})(?![\w/.-]|\.\d)",
+            r"[/.-](?:\d{4}|\d{2})(?![\w/-]|\.\d)",
             lambda m: date_words(parse_date(m[0], language, conventions.date_order),
                                  language))
         months = "|".join(sorted((re.escape(n) for n in month_names(locale)), key=len,
