@@ -279,3 +279,33 @@ def test_readers_compare_by_what_they_do() -> None:
     assert len({Reader("English"), Reader("English"), Reader("Spanish")}) == 2
     assert re.match(r"Reader\(USD, mdy, US, free_text=off, Lexicon\(1 entries\)\)",
                     repr(Reader("English", lexicon=entries)))
+
+
+# --- the README's examples ----------------------------------------------------------------------
+
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_readmes_table_of_types_reads_as_it_says() -> None:
+    section = README.split("**How values are read (say-as types).**", 1)[1].split("**Free", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| `([^`]+)`[^|]* \| ([^|]+) \| ([^|]+) \|$", section,
+                      flags=re.M)
+    assert sorted(kind for kind, *_ in rows) == sorted(KINDS)
+    for kind, value, english, spanish in rows:
+        for name, words in (("English", english), ("Spanish", spanish)):
+            first = words.split(";")[0].strip()
+            if first.startswith("..."):
+                continue  # an abbreviated example
+            lang = language(name)
+            assert lang is not None
+            assert say_as(kind, value, lang, Conventions()) == first, (kind, name)
+
+
+def test_the_readmes_lexicon_example_compiles_and_reads_as_it_says() -> None:
+    section = README.split("**Pronunciation lexicon.**", 1)[1]
+    block = section.split("```yaml", 1)[1].split("```", 1)[0]
+    entries = [LexiconEntry(**entry) for entry in yaml.safe_load(block)["lexicon"]]
+    reader = Reader("English", lexicon=entries)
+    assert reader.free("Acme: 12 KWH at 1 Main St. Springfield, Rte 66, 5 Ave.", "English") == (
+        "Ack-mee: 12 kilowatt hours at 1 Main Street Springfield, Route 66, 5 Ave.")
+    assert reader.free("5 Ave.", "Spanish") == "5 Avenida."
