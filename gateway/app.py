@@ -489,6 +489,7 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
             gateway.dialogs.install(gateway.switchboard)
         else:
             reader = Reader(voices[0].language, Reading(free_text=settings.free_text))
+            reader.warm([voices[0].language])
             gateway.dialogs.install(GreeterDialogs(Speaker(speech, voices[0]), settings.greeting,
                                                    reader))
     gateway.readiness.mark_ready(engines[0].name)

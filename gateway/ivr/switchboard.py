@@ -128,6 +128,9 @@ class VersionBuilder:
         contexts = {}
         for name, line in plan.lines.items():
             parts = prepared[line.path]
+            reader = line.reader()
+            # CLDR and phonenumbers data loaded now, not on a first caller's turn.
+            reader.warm(line.script.languages_spoken())
             contexts[name] = RunnerContext(
                 script=line.script,
                 cache=self.cache,
@@ -143,7 +146,7 @@ class VersionBuilder:
                 metrics=self.metrics,
                 line=name,
                 version=number,
-                reader=line.reader(),
+                reader=reader,
             )
         if not self.render_lazily:
             t0 = self.clock.now()

@@ -18,9 +18,10 @@ from num2words import CONVERTER_CLASSES
 __all__ = ["Language", "default_region", "language", "language_code"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Language:
-    """One language as the text libraries know it."""
+    """One language as the text libraries know it (one instance per name and region, from
+    :func:`language`: compared and hashed by identity, as the caches keyed on it need fast)."""
 
     #: The model's name for it (``Spanish``).
     name: str

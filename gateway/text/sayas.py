@@ -33,6 +33,7 @@ written instead.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import unicodedata
 from collections.abc import Callable
@@ -160,10 +161,20 @@ def number_words(value: int | Decimal, language: Language, to: str = "cardinal")
             not _keeps_decimals(language):
         # Reading 12.5 as "twelve" would be worse than leaving it to the model.
         raise TextError(f"num2words drops the decimals of a number in {language.name}")
-    words = num2words(value, lang=language.words, to=to)
-    if not isinstance(words, str) or not words.strip():
+    # Keyed on the written form: Decimal("12.50") == Decimal("12.5"), but may read otherwise.
+    words = _num2words(type(value).__name__, str(value), language.words, to)
+    if not words:
         raise TextError(f"num2words has no {to} for {value} in {language.name}")
-    return words.strip()
+    return words
+
+
+@functools.lru_cache(maxsize=8192)
+def _num2words(kind: str, value: str, lang: str, to: str) -> str:
+    """num2words, memoised: its English cardinal alone costs ~100 us (a walk over its table of
+    powers of ten), and an IVR says the same few numbers all day."""
+    number = int(value) if kind == "int" else Decimal(value)
+    words = num2words(number, lang=lang, to=to)
+    return words.strip() if isinstance(words, str) else ""
 
 
 @functools.lru_cache(maxsize=64)
@@ -351,7 +362,7 @@ def currency_words(amount: Decimal, code: str, language: Language) -> str:
             elif units == 0:
                 words = cents
             else:
-                words = converter.to_currency(amount, currency=code)
+                words = split.replace(_SENTINEL, _separator(language.words or ""))
     if words is None:
         # num2words has no name for this currency in this language: the amount in words, and
         # CLDR's name for the currency ("twelve point five Japanese yen").
@@ -360,6 +371,16 @@ def currency_words(amount: Decimal, code: str, language: Language) -> str:
         number = amount if minor else Decimal(units)
         words = f"{number_words(number, language)} {name}"
     return f"{minus_word(language)} {words}" if negative and amount else words
+
+
+@functools.lru_cache(maxsize=64)
+def _separator(words: str) -> str:
+    """The separator num2words puts between units and minor units by default in language
+    ``words`` (its to_currency's own default: "," in English, " con" in Spanish)."""
+    converter = CONVERTER_CLASSES[words]
+    parameter = inspect.signature(converter.to_currency).parameters.get("separator")
+    default = parameter.default if parameter is not None else ","
+    return default if isinstance(default, str) else ","
 
 
 # --- telephone --------------------------------------------------------------------------------
