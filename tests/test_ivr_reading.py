@@ -261,6 +261,23 @@ def test_a_lines_file_lexicon_error_is_located_in_the_lines_file(tmp_path: Path)
         "French, German, Italian, Japanese, Korean, Portuguese, Russian, Spanish)"]
 
 
+def test_a_lines_reading_that_makes_a_fixed_value_unreadable_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "s.yaml").write_text(
+        "name: s\nvoice: {speaker: ryan}\nstart: a\nnodes:\n"
+        "  a: {say: \"Due {'12/15/2026':date}.\", hangup: true}\n")
+    path = tmp_path / "lines.yaml"
+    path.write_text("default: m\nlines:\n  m:\n    script: s.yaml\n"
+                    "    reading: {date_order: dmy}\n")
+    with pytest.raises(ScriptError) as info:
+        load_lines(path)
+    assert [str(d) for d in info.value.diagnostics] == [
+        f"{path}:5:14: line 'm': with this reading, {tmp_path / 's.yaml'} reads "
+        "{'12/15/2026':date} as written: it is not a date (written '99/99/9999')"]
+    path.write_text("default: m\nlines:\n  m:\n    script: s.yaml\n"
+                    "    reading: {date_order: mdy}\n")
+    assert load_lines(path).lines["m"].reader().conventions.date_order == "mdy"
+
+
 # --- script tests -----------------------------------------------------------------------------
 
 

@@ -367,9 +367,30 @@ def load_lines(path: Path, *, voice_exists: Callable[[str], bool] | None = None,
             lines[name] = Line(name, script, script_path,
                                tuple(n for n, owner in numbers.items() if owner == name),
                                line.reading, tuple(line.lexicon))
+            if line.reading is not None:
+                _check_reading(lines[name], position(tree, ("lines", name, "reading")), report)
     if problems:
         raise ScriptError(problems)
     return LinePlan(path, lines, spec.default, numbers, dict(stamps))
+
+
+def _check_reading(line: Line, where: tuple[int, int],
+                   report: Callable[[tuple[int, int], str], None]) -> None:
+    """A line's reading must still read its script's fixed values: a quoted phone number of
+    another region, or a date in another order, is found here rather than read as written on
+    every call."""
+    try:
+        reader = line.reader()
+    except ValueError:
+        return  # a lexicon entry that does not compile, reported where it is
+    seen: set[str] = set()
+    for template, voice in line.script.static_renders():
+        for fallback in reader.sentence(template, {}, voice.language).fallbacks:
+            if fallback.slot not in seen:
+                seen.add(fallback.slot)
+                report(where, f"line '{line.name}': with this reading, {line.script.path or ''}"
+                              f" reads {fallback.slot} as written: it is not a "
+                              f"{fallback.kind} (written {fallback.shape!r})")
 
 
 def _load_script(path: Path, written: str, line: str, where: tuple[int, int], label: str,
