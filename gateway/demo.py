@@ -23,7 +23,8 @@ APOLOGY = "Sorry, something went wrong on our side. Please press a key to try ag
 
 
 def digit_sentence(digit: str) -> str:
-    """The sentence spoken for ``digit``: it contains the key itself (``"You pressed 5."``)."""
+    """The sentence for ``digit``: it contains the key itself (``"You pressed 5."``; the
+    greeter's free-text normaliser has the engine say "You pressed five.")."""
     word = _KEY_WORDS.get(digit)
     return f"You pressed {word}, the {digit} key." if word else f"You pressed {digit}."
 
