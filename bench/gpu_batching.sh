@@ -5,13 +5,17 @@
 #   stage      what                                                         timeout (s)
 #   preflight  versions, driver, GPU; imports; tiny model on the device      75
 #              with graphs: capture, ten steps, one decode
-#   0.6B       batched engine, 0.6B shapes (random weights), 1..64 turns    165
-#   1.7B       batched engine, 1.7B shapes, 1..64 turns                     150
-#   baselines  slot engine (one batch-1 engine per turn) and the official    90
+#   0.6B       batched engine, 0.6B shapes (random weights), 1..64 turns    150
+#   profile    the 0.6B device profile for the simulated engine              60
+#              (bench/device_profile.py: steps, prefill, decode timed)
+#   1.7B       batched engine, 1.7B shapes, 1..64 turns                     125
+#   baselines  slot engine (one batch-1 engine per turn) and the official    70
 #              qwen-tts path, 0.6B
 #                                                                   total  480 (8 minutes)
 #
-# Each stage's table lands in $OUT/<stage>.md and, at once, in bench/RESULTS.md's GPU section
+# The profile stage writes $OUT/profile-0.6B.json (commit it under gateway/tts/profiles/ and size
+# with bench/capacity_sim.py --profile). Each stage's table lands in $OUT/<stage>.md and, at once,
+# in bench/RESULTS.md's GPU section
 # (bench/gpu_results.py rewrites it from the stages so far, with each stage's status); its log in
 # $OUT/<stage>.log. The preflight's failure stops the run with its one-line reason.
 #
@@ -25,7 +29,7 @@
 #   DRY_RUN=1 bash bench/gpu_batching.sh
 # QUICK=1 shortens the dry run further (what tests/test_gpu_run.py runs in CI).
 # Knobs: LEVELS (batched), SLOT_LEVELS, FRAMES, OFFICIAL_TURNS, SIZES; the stage timeouts
-# T_PREFLIGHT, T_SIZE (each model size), T_BASELINES.
+# T_PREFLIGHT, T_SIZE (each model size), T_PROFILE, T_BASELINES.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -41,11 +45,13 @@ if [ "${DRY_RUN:-0}" = "1" ]; then
   if [ "${QUICK:-0}" = "1" ]; then
     levels=${LEVELS:-1,2} slot_levels=${SLOT_LEVELS:-1} frames=${FRAMES:-4} turns=2
     official=${OFFICIAL_TURNS:-1} sizes=${SIZES:-0.6B}
+    export PROFILE_ROWS=${PROFILE_ROWS:-1}
   else
     levels=${LEVELS:-1,2,4} slot_levels=${SLOT_LEVELS:-1,2} frames=${FRAMES:-8} turns=4
     official=${OFFICIAL_TURNS:-1} sizes=${SIZES:-0.6B 1.7B}
   fi
   t_pre=${T_PREFLIGHT:-120} t_size=${T_SIZE:-150} t_base=${T_BASELINES:-120}
+  t_profile=${T_PROFILE:-120} t_size2=${T_SIZE:-150}
   # One torch thread per process on the 2-core workstation, as the test suite runs.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 else
@@ -53,7 +59,8 @@ else
   device=cuda results=bench/RESULTS.md
   levels=${LEVELS:-1,4,10,16,32,64} slot_levels=${SLOT_LEVELS:-1,4,10} frames=${FRAMES:-40}
   turns=0 official=${OFFICIAL_TURNS:-3} sizes=${SIZES:-0.6B 1.7B}
-  t_pre=${T_PREFLIGHT:-75} t_size=${T_SIZE:-165} t_base=${T_BASELINES:-90}
+  t_pre=${T_PREFLIGHT:-75} t_size=${T_SIZE:-150} t_base=${T_BASELINES:-70}
+  t_profile=${T_PROFILE:-60} t_size2=${T_SIZE:-125}
 fi
 export PYTHONUNBUFFERED=1
 
@@ -106,6 +113,13 @@ batched() {
       --official-turns 0 --markdown "$out/$size.md")
 }
 
+profile() {
+  local model=tiny build=() shape=(--max-rows "${PROFILE_ROWS:-4}" --max-seq-len 256 --repeats 3)
+  [ "$device" = cuda ] && model=/tmp/random-0.6B build=(--build-random 0.6B) shape=()
+  "$py" bench/device_profile.py --device "$device" --model "$model" "${build[@]}" \
+      "${shape[@]}" --out "$out/profile-0.6B.json"
+}
+
 baselines() {
   local model=tiny n=$turns build=()
   [ "$device" = cuda ] && model=/tmp/random-0.6B build=(--build-random 0.6B)
@@ -121,13 +135,18 @@ else
   export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
 fi
 export py device out results levels slot_levels frames turns official root
-export -f preflight batched baselines
+export -f preflight batched profile baselines
 if ! stage preflight "$t_pre" preflight; then
   echo "gpu run: the preflight failed; nothing else was run (see $out/preflight.log)" >&2
   exit 1
 fi
 for size in $sizes; do
-  stage "$size" "$t_size" batched "$size"
+  if [ "$size" = 0.6B ]; then
+    stage "$size" "$t_size" batched "$size"
+    stage profile "$t_profile" profile
+  else
+    stage "$size" "$t_size2" batched "$size"
+  fi
 done
 stage baselines "$t_base" baselines
 echo "gpu run: finished in $(( $(date +%s) - started )) s; stages:" >&2

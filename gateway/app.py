@@ -374,10 +374,12 @@ def create_app(
         if gateway.plan is not None:
             gateway.webhooks = await asyncio.to_thread(webhook_client)
         loader = asyncio.create_task(_load(gateway, engine_factory))
+        lag = asyncio.create_task(_watch_loop_lag(metrics), name="loop-lag")
         try:
             yield
         finally:
             try:
+                lag.cancel()
                 if gateway.sip is not None:
                     await gateway.sip.stop()
                 loader.cancel()
@@ -430,6 +432,21 @@ def create_app(
     app.include_router(build_router(lifecycle, gateway.signatures, gateway.outcomes,
                                     gateway.twilio, metrics, gateway.updater))
     return app
+
+
+#: How often the event loop's lag is sampled.
+LOOP_LAG_PERIOD_S = 0.05
+
+
+async def _watch_loop_lag(metrics: Metrics, period_s: float = LOOP_LAG_PERIOD_S) -> None:
+    """Sample how late the event loop runs a callback due now: every call's media (pacing,
+    marks, RTP) waits that long behind whatever held the loop or the GIL (the engine core's
+    thread shares it). ``gateway_event_loop_lag_seconds``."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + period_s
+        await asyncio.sleep(period_s)
+        metrics.event_loop_lag.observe(max(0.0, loop.time() - due))
 
 
 async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:

@@ -33,7 +33,12 @@ def test_the_dry_run_passes_every_stage_through_the_capture_stand_in(tmp_path: P
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-3000:]
     assert [(name, status) for name, status, _s in _stages(tmp_path)] == [
-        ("preflight", "ok"), ("0.6B", "ok"), ("baselines", "ok")]
+        ("preflight", "ok"), ("0.6B", "ok"), ("profile", "ok"), ("baselines", "ok")]
+    # The profile stage leaves a device profile the simulated engine loads.
+    from gateway.tts.simulated import load_profile
+
+    profile = load_profile(str(tmp_path / "profile-0.6B.json"))
+    assert "measured" in profile.source and profile.table
     assert "preflight [" in log and "all checks passed" in log
     # Every bucket the stage can run (1 and 2 rows) captured through the stand-in at warm-up.
     for bucket in (1, 2):
@@ -66,6 +71,7 @@ def test_a_stage_that_overruns_its_timeout_loses_only_itself(tmp_path: Path) -> 
     done = _run(tmp_path, T_SIZE="2")
     assert done.returncode != 0
     stages = {name: status for name, status, _s in _stages(tmp_path)}
-    assert stages == {"preflight": "ok", "0.6B": "timed out after 2 s", "baselines": "ok"}
+    assert stages == {"preflight": "ok", "0.6B": "timed out after 2 s", "profile": "ok",
+                      "baselines": "ok"}
     section = (tmp_path / "RESULTS.md").read_text()
     assert "| 0.6B | timed out after 2 s |" in section and "### Stage baselines" in section
