@@ -112,7 +112,7 @@ def run_level(profile: DeviceProfile, callers: int, duration: float, workers: in
         lag_window = [(le, count - dict(lag0).get(le, 0.0)) for le, count in lag]
         _hb, host_sum, host_n = _histogram(after, "gateway_tts_step_host_seconds")
         _hb0, host_sum0, host_n0 = _histogram(before, "gateway_tts_step_host_seconds")
-        rows_b, rows_sum, rows_n = _histogram(after, "gateway_tts_batch_size")
+        rows_b, _rows_sum, _rows_n = _histogram(after, "gateway_tts_batch_size")
         steps = host_n - host_n0
         return {
             "calls": level["calls"], "errors": level["errors"], "gaps": level["gaps"],
