@@ -466,9 +466,17 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
 
             await asyncio.to_thread(load_session)
         engines = list(await asyncio.to_thread(engine_factory, settings))
-        # Every slot warms up (graph capture is per slot), each with every configured voice.
+        # Every engine warms up (graph capture is per engine), with every configured voice.
         for engine in engines:
             await asyncio.to_thread(engine.warmup, warmup)
+        speech = SpeechService(
+            engines,
+            metrics=gateway.metrics,
+            first_audio_budget_s=settings.first_audio_budget_ms / 1000,
+            ahead_high_s=settings.ahead_high_ms / 1000,
+            ahead_low_s=settings.ahead_low_ms / 1000,
+            step_timeout_s=settings.engine_step_timeout_ms / 1000 or None,
+        )
     except asyncio.CancelledError:
         recognizer.cancel()
         raise
@@ -480,14 +488,6 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
         gateway.readiness.fail(f"engine start-up failed: {exc}")
         return
     await recognizer
-    speech = SpeechService(
-        engines,
-        metrics=gateway.metrics,
-        first_audio_budget_s=settings.first_audio_budget_ms / 1000,
-        ahead_high_s=settings.ahead_high_ms / 1000,
-        ahead_low_s=settings.ahead_low_ms / 1000,
-        step_timeout_s=settings.engine_step_timeout_ms / 1000 or None,
-    )
     speech.start()
     gateway.speech = speech
     if gateway.plan is not None and gateway.cache is not None:

@@ -10,28 +10,20 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 import pytest
 from conftest import serve
 
 from gateway import heap
-from gateway.tts.engine import Engine, SpeechRequest
-from gateway.tts.tiny import SAMPLES_PER_FRAME
+from gateway.tts.engine import Engine
+from gateway.tts.simulated import DeviceProfile, SimulatedEngine
 
-
-class _Beep(Engine):
-    """An engine that loads nothing: the gateway around it is what is under test."""
-
-    name = "beep"
-    speakers = ("ryan",)
-    languages = ("English",)
-
-    def stream(self, request: SpeechRequest, should_stop=None) -> Iterator[np.ndarray]:  # type: ignore[no-untyped-def]
-        yield np.zeros(SAMPLES_PER_FRAME, dtype=np.float32)
+#: A simulated device that takes no time: the gateway around it is what is under test.
+_INSTANT = DeviceProfile(name="instant", device="none", model="none", source="a test",
+                         step_base_ms=0.0)
 
 
 def _engines(settings: object) -> Sequence[Engine]:
-    return [_Beep()]
+    return [SimulatedEngine(_INSTANT, max_rows=2)]
 
 
 @pytest.fixture
