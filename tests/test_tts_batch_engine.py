@@ -615,7 +615,7 @@ def test_rebuild_in_graph_mode_recaptures_every_graph_and_serves_the_same_codes(
     row = engine.open(request)
     engine.prefill(row)
     engine.step([row])
-    engine.rebuild()  # as BatchLoop does after an exception inside a step
+    engine.rebuild()  # as the engine core does after an exception inside a step
     assert engine.captures == 2 * len(batch_buckets(2)) and len(engine._graphs) == 2
     with pytest.raises(EngineError, match="lost when the engine was rebuilt"):
         engine.step([row])

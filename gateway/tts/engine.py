@@ -8,8 +8,8 @@ reusable. Engines are synchronous and not thread-safe.
 A :class:`BatchEngine` (the gateway's default, :class:`gateway.tts.batched.BatchedQwenEngine`)
 is an engine that also exposes its rows, so that one loop per device
 (:mod:`gateway.tts.core`) can advance every active turn in one batched step. A plain
-:class:`Engine` serves one request at a time; the slot scheduler in :mod:`gateway.tts.service`
-runs several of them side by side (the baseline the batching benchmark compares against).
+:class:`Engine` serves one request at a time (warm-up, tools; the batching benchmark's slot
+baseline in ``bench/slot_engine.py`` runs several side by side).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class SpeechRequest:
     #: A cloned voice (Base models) instead of a CustomVoice ``speaker``.
     voice_prompt: VoicePrompt | None = None
     #: Sampling settings for this turn (None: the model's published defaults). Honoured per
-    #: row by the batched engine; the slot engine samples with the defaults only.
+    #: row by the batched engine; the benchmark's slot engine samples with the defaults only.
     sampling: Sampling | None = None
     #: Free-form labels carried to logs and metrics (call id, turn id); not used by engines.
     tags: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
@@ -150,7 +150,7 @@ class Engine(abc.ABC):
                 pass
 
     def rebuild(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op by default
-        """Reset per-slot state after a failure inside the engine (default: nothing to do)."""
+        """Reset the engine's state after a failure inside it (default: nothing to do)."""
 
     @property
     def fingerprint(self) -> str:

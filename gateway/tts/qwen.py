@@ -124,7 +124,7 @@ def _looks_like_path(model: str) -> bool:
 
 
 class QwenModel:
-    """Qwen3-TTS weights loaded once per device, shared by every engine slot on it.
+    """Qwen3-TTS weights loaded once per device, shared by every engine on it.
 
     Each engine over it owns its static KV caches and CUDA graphs; the modules
     themselves are shared read-only. The one piece of mutable module state, the talker's
