@@ -134,3 +134,31 @@ def test_a_captured_decode_replays_through_the_static_buffers(decoder: object) -
         got[1].append(out[1].numpy().copy())
     _close(np.concatenate(got[0]), _per_row(decoder, a, [4, 4]))
     _close(np.concatenate(got[1]), _per_row(decoder, b, [4, 4]))
+
+
+@pytest.mark.gpu
+def test_the_engines_codec_graphs_on_cuda_give_the_per_row_audio(tiny_model_dir: Path) -> None:
+    """The true CUDA path: the engine's codec graphs (every chunk size and bucket captured at
+    warm-up) replayed for two rows give each row its per-row decoder's audio."""
+    from gateway.tts.batched import BatchedQwenEngine
+    from gateway.tts.engine import SpeechRequest
+
+    shared = QwenModel(str(tiny_model_dir), device="cuda", dtype="float32")
+    engine = BatchedQwenEngine(shared, max_rows=2, max_seq_len=256, record_codes=True,
+                               adaptive_chunks=False)
+    engine.warmup()
+    assert len(engine._codec_graphs) == 8 * 2  # chunk sizes 1..8 x buckets 1, 2
+    rows = [engine.open(SpeechRequest(text=t, seed=i, max_frames=7, min_frames=7))
+            for i, t in enumerate(["Press one.", "Please hold."])]
+    engine.prefill_rows(rows)
+    audio: list[list[np.ndarray]] = [[], []]
+    while any(row.finished is None for row in rows):
+        engine.step([row for row in rows if row.finished is None])
+        for i, chunk in enumerate(engine.next_chunks(rows)):
+            if chunk is not None:
+                audio[i].append(chunk)
+    decoder = shared.base.model.speech_tokenizer.model.decoder
+    for i, row in enumerate(rows):
+        plan = [int(c.shape[0]) for c in row.chunks]
+        reference = _per_row(decoder, torch.cat(row.chunks).to("cuda"), plan)
+        _close(np.concatenate(audio[i]), reference)
