@@ -20,7 +20,13 @@ from gateway import heap
 from gateway.errors import EngineError
 from gateway.tts import cpu_linear
 from gateway.tts.batch_cache import RowKVCache
-from gateway.tts.batch_sampling import RowDraws, kcap_for, penalise_repeats, sample_rows
+from gateway.tts.batch_sampling import (
+    BatchDraws,
+    RowDraws,
+    kcap_for,
+    penalise_repeats,
+    sample_rows,
+)
 from gateway.tts.batched import (
     BatchedQwenEngine,
     BatchRow,
@@ -703,6 +709,24 @@ def test_row_draws_are_a_fixed_stream_per_seed() -> None:
     second = torch.cat([b.take(16).clone() for _ in range(20)])
     assert torch.equal(first, second) and not torch.equal(first[:16], first[16:32])
     assert float(first.min()) >= 0 and float(first.max()) < 1
+
+
+def test_batch_draws_give_each_slot_its_own_row_stream_whatever_is_taken_with_it() -> None:
+    """All stepping rows' uniforms come from one indexed read, yet each slot's stream is the
+    one RowDraws gives its seed, in the same order, whichever slots share the takes."""
+    batch = BatchDraws(4)
+    seeds = {0: 11, 1: 12, 3: 13}
+    for slot, seed in seeds.items():
+        batch.start(slot, seed)
+    reference = {slot: RowDraws(seed) for slot, seed in seeds.items()}
+    firsts = {slot: batch.take(slot, 1) for slot in seeds}  # the prefill's one draw
+    for slot in seeds:
+        assert torch.equal(firsts[slot], reference[slot].take(1))
+    schedule = [[0, 1, 3], [0, 3], [1], [0, 1, 3]] * 6  # rows sitting steps out
+    for slots in schedule:
+        got = batch.take_rows(slots, 16)
+        for row, slot in enumerate(slots):
+            assert torch.equal(got[row], reference[slot].take(16))
 
 
 def test_row_cache_writes_each_row_at_its_own_position(shared: QwenModel) -> None:

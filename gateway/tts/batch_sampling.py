@@ -68,6 +68,48 @@ class RowDraws:
         return out
 
 
+class BatchDraws:
+    """Every row's random stream in one host buffer, taken for all stepping rows at once.
+
+    Slot ``s`` draws from its own seeded ``torch.Generator`` a block of uniforms at a time, by
+    the same rule as :class:`RowDraws` (a block is refilled when the next take does not fit in
+    what is left), so a row's stream is consumed in the same order whatever shares its steps.
+    :meth:`take_rows` gathers every row's next ``n`` uniforms with one indexed read; only the
+    rows whose block ran out (one step in eight) touch their generator.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self._blocks = torch.zeros(slots, _DRAW_BLOCK, dtype=torch.float32)
+        self._used = [_DRAW_BLOCK] * slots
+        self._gens: list[torch.Generator | None] = [None] * slots
+
+    def start(self, slot: int, seed: int) -> None:
+        """Slot ``slot`` begins the stream of ``seed``."""
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed)
+        self._gens[slot] = gen
+        self._used[slot] = _DRAW_BLOCK
+
+    def _ensure(self, slot: int, n: int) -> int:
+        used = self._used[slot]
+        if used + n > _DRAW_BLOCK:
+            self._blocks[slot].uniform_(0.0, 1.0, generator=self._gens[slot])
+            used = 0
+        self._used[slot] = used + n
+        return used
+
+    def take(self, slot: int, n: int) -> torch.Tensor:
+        """The slot's next ``n`` uniforms (a copy)."""
+        start = self._ensure(slot, n)
+        return self._blocks[slot, start : start + n].clone()
+
+    def take_rows(self, slots: list[int], n: int) -> torch.Tensor:
+        """``[len(slots), n]``: each slot's next ``n`` uniforms."""
+        starts = torch.tensor([self._ensure(slot, n) for slot in slots])
+        offsets = starts[:, None] + torch.arange(n)[None, :]
+        return self._blocks[torch.tensor(slots)[:, None], offsets]
+
+
 def sample_rows(
     logits: torch.Tensor,
     uniforms: torch.Tensor,

@@ -55,7 +55,7 @@ from gateway.tts import cpu_linear
 from gateway.tts.batch_sampling import (
     DEFAULT_SAMPLING,
     DRAWS_PER_FRAME,
-    RowDraws,
+    BatchDraws,
     Sampling,
     kcap_for,
     penalise_repeats,
@@ -141,11 +141,9 @@ class BatchRow:
     #: Row of the cache and of every state buffer (changes when rows are compacted).
     index: int
     epoch: int
-    draws: RowDraws
-    #: Prompt embeddings, trailing text, pad embedding, cloned-voice reference codes.
+    #: Prompt embeddings, cloned-voice reference codes (the trailing text lives in the
+    #: engine's text buffer, the random stream in its draws, both at the row's codec slot).
     prompt: Any
-    trailing: Any
-    pad_embed: Any
     ref_codes: Any = None
     #: Prompt tokens through the talker so far; the prefill's DynamicCache until it is loaded.
     prefilled: int = 0
@@ -180,13 +178,6 @@ class BatchRow:
         if self.output is None:
             return 0
         return max(0, self.output.target - self.output.pending)
-
-    def text_addend(self) -> Any:
-        """What the talker adds to the next frame's embedding: the next trailing text token,
-        then the pad embedding (``gen_step`` of faster-qwen3-tts = frames generated)."""
-        if self.frames < self.trailing.shape[0]:
-            return self.trailing[self.frames]
-        return self.pad_embed
 
 
 class _RowOutput:
@@ -490,10 +481,22 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
             request=request, sampling=sampling, seed=seed, max_frames=max_frames,
             # EOS is suppressed for the first frames (2 upstream; min_frames forces a length).
             min_frames=max(2, request.min_frames or 0),
-            index=len(self._rows), epoch=self._epoch, draws=RowDraws(seed),
-            prompt=tie, trailing=tth[0], pad_embed=tpe[0, 0], ref_codes=ref_codes,
+            index=len(self._rows), epoch=self._epoch, prompt=tie, ref_codes=ref_codes,
             codec_slot=self._free_slots.pop(),
         )
+        # The text the talker reads on its second track, one token per frame after the
+        # prompt (qwen-tts's trailing_text_hidden), then padding: in the text buffer at the
+        # row's slot, so a step gathers every row's next token in one indexed read.
+        trailing = tth[0]
+        if trailing.shape[0] > self._text_cap:
+            self._free_slots.append(row.codec_slot)
+            raise EngineError(f"text of {trailing.shape[0]} tokens is longer than a turn may be "
+                              f"({self._text_cap}); split it into sentences")
+        slot = row.codec_slot
+        self._text[slot, : trailing.shape[0]] = trailing.to(self._text.dtype)
+        self._text_len[slot] = int(trailing.shape[0])
+        self._pad_embed.copy_(tpe[0, 0].to(self._pad_embed.dtype))
+        self._draws.start(slot, seed)
         self._rows.append(row)
         return row
 
@@ -600,7 +603,7 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         i, s = row.index, row.sampling
         logits = logits.float().masked_fill(self._suppress[None, :], float("-inf"))
         logits[:, self.eos_id] = float("-inf")  # frame 0 < min_frames (>= 2)
-        uniforms = row.draws.take(1).to(self.device)
+        uniforms = self._draws.take(row.codec_slot, 1).to(self.device)
         params = self._params
         token = sample_rows(
             logits, uniforms,
@@ -692,11 +695,19 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         active.zero_()
         active[index] = True
         uniforms = self._uniform_host
-        for row in rows:
-            uniforms[row.index].copy_(row.draws.take(DRAWS_PER_FRAME))
+        slots = [row.codec_slot for row in rows]
+        uniforms[index] = self._draws.take_rows(slots, DRAWS_PER_FRAME)
+        # Each row's next text token (its frame count into its trailing text), or the pad
+        # embedding once its text is read: one gather for every row.
+        frames = [row.frames for row in rows]
+        reading = [f < self._text_len[slot] for f, slot in zip(frames, slots, strict=True)]
+        at = torch.tensor([min(f, self._text_cap - 1) for f in frames], device=self.device)
+        slot_t = torch.tensor(slots, device=self.device)
+        tokens = self._text[slot_t, at]
+        keep = torch.tensor(reading, device=self.device)[:, None]
+        addend = torch.where(keep, tokens, self._pad_embed[None, :])
         idx = torch.tensor(index, device=self.device)
-        addend = torch.stack([row.text_addend() for row in rows]).unsqueeze(1)
-        self._addend.index_copy_(0, idx, addend.to(self._addend.dtype))
+        self._addend.index_copy_(0, idx, addend.unsqueeze(1))
         if self._active is not active:
             self._active[:bucket].copy_(active[:bucket], non_blocking=True)
             self._uniforms[:bucket].copy_(uniforms[:bucket], non_blocking=True)
@@ -721,9 +732,8 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         self.device_s += time.perf_counter() - t_device
         if self._codec is not None:
             # Every advancing row's new frame into its pending codes, in one indexed write.
-            slots = [row.codec_slot for row in rows]
-            at = [row.output.pending for row in rows if row.output is not None]
-            self._pending_codes[slots, at] = codes[index]
+            pending = [row.output.pending for row in rows if row.output is not None]
+            self._pending_codes[slots, pending] = codes[index]
         for row in rows:
             i = row.index
             assert row.output is not None
@@ -1096,6 +1106,13 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
                 self._codec = BatchedCodecDecoder(decoder, slots=cap)
             self._pending_codes = torch.zeros(cap + 1, self._max_chunk, self.num_code_groups,
                                               dtype=long, device=dev)
+            # Per slot: the trailing text the talker reads (tokens as embeddings), its
+            # length, and the row's random stream (host).
+            self._text_cap = min(self.max_seq_len, 1024)
+            self._text = torch.zeros(cap + 1, self._text_cap, hidden, dtype=dtype, device=dev)
+            self._text_len = [0] * (cap + 1)
+            self._pad_embed = torch.zeros(hidden, dtype=dtype, device=dev)
+            self._draws = BatchDraws(cap + 1)
             self._codec_index = torch.zeros(cap, dtype=long, device=dev)
             codec_dtype = self._codec.dtype if self._codec is not None else f32
             self._codec_out = torch.zeros(cap, self._max_chunk * SAMPLES_PER_FRAME,
