@@ -19,6 +19,7 @@ import typer
 from gateway.config import Settings
 from gateway.errors import GatewayError
 from gateway.loadsim.cli import loadsim_app
+from gateway.tts.model_source import require_model_source
 
 app = typer.Typer(
     add_completion=False,
@@ -43,62 +44,6 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
     from gateway.logs import setup_logging
 
     setup_logging(level, "json" if fmt == "json" else "text")
-
-
-#: How long ``say`` and ``prompts render`` wait for the Hugging Face hub (or the HTTPS proxy in
-#: front of it) to accept a TCP connection before calling it unreachable. Without the probe,
-#: huggingface_hub retries every file of the checkpoint with back-off and the good error message
-#: comes 53 s later (measured on a machine without hub access).
-HUB_PROBE_TIMEOUT_S = 3.0
-
-
-def _hub_unavailable(model: str) -> str | None:
-    """Why the Hugging Face hub cannot provide ``model`` now, or None when loading may proceed.
-
-    None for a local path, the ``tiny`` alias and a model already in the local hub cache: the
-    loader handles those itself and quickly. Otherwise ``HF_HUB_OFFLINE`` is honoured as
-    huggingface_hub reads it, and the hub endpoint (``HF_ENDPOINT``, through ``HTTPS_PROXY``
-    when one is set) must accept a TCP connection within :data:`HUB_PROBE_TIMEOUT_S`.
-    """
-    import socket
-    from urllib.parse import urlsplit
-
-    # "tiny" is the engine's alias for its tiny offline checkpoint; a hub id is "org/name".
-    if model == "tiny" or "/" not in model or model.startswith(("/", "./", "../", "~")) or \
-            Path(model).expanduser().exists():
-        return None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        if isinstance(try_to_load_from_cache(model, "config.json"), str):
-            return None
-    except Exception:  # an id the hub library cannot even parse: let the loader say so
-        return None
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
-        return "HF_HUB_OFFLINE=1 and it is not in the local cache"
-    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    parts = urlsplit(proxy if proxy else endpoint)
-    host = parts.hostname or "huggingface.co"
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        with socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S):
-            return None
-    except OSError as exc:
-        via = "its proxy " if proxy else ""
-        return (f"it is not a local directory and the Hugging Face hub could not provide it "
-                f"({via}{host}:{port} unreachable: {exc or type(exc).__name__})")
-
-
-def _require_model(model: str) -> None:
-    """Fail at once, with the loader's own advice, when the hub cannot provide ``model``."""
-    reason = _hub_unavailable(model)
-    if reason is not None:
-        raise GatewayError(
-            f"cannot load Qwen3-TTS model {model!r}: {reason}. Pass a local checkpoint "
-            "directory with --model /path/to/model (or GATEWAY_MODEL=/path/to/model); "
-            "`gateway model tiny DIR` builds a tiny offline one for smoke tests."
-        )
 
 
 def _settings(**overrides: object) -> Settings:
@@ -152,6 +97,9 @@ def serve(
     )
     _setup_logging(settings.log_level, settings.log_format)
     settings.require_security()
+    # Before anything binds or loads: a hub model the hub cannot provide is one line in
+    # seconds, not a minute of huggingface_hub retries.
+    require_model_source(settings.model)
     if settings.insecure:
         logging.getLogger("gateway").warning(
             "--insecure: Twilio signatures are NOT validated; never expose this to the internet"
@@ -255,7 +203,7 @@ def say(
         raise GatewayError("--encoding must be pcm or ulaw")
     settings = _settings(model=model, device=device, speaker=speaker, language=language)
     _setup_logging("warning")
-    _require_model(settings.model)
+    require_model_source(settings.model)
     engine = QwenEngine(
         model=settings.model, device=settings.device, dtype=settings.dtype,
         chunk_schedule=settings.chunk_schedule, max_seq_len=settings.max_seq_len,
@@ -322,6 +270,8 @@ def voices_add(
     from gateway.ivr.voices import DEFAULT_BASE_MODEL, VoiceRegistry, default_voices_dir
 
     _setup_logging("warning")
+    require_model_source(base_model or DEFAULT_BASE_MODEL, what="Qwen3-TTS Base model",
+                         option="--base-model")
     registry = VoiceRegistry(directory or default_voices_dir())
     record = registry.add(name, ref, text, base_model=base_model or DEFAULT_BASE_MODEL,
                           device=device)
@@ -490,7 +440,7 @@ def prompts_render(
                         for script_path, script in load_plan(path).scripts().items()}.values())
     except ScriptError as exc:
         raise GatewayError(f"invalid script:\n{exc}") from None
-    _require_model(settings.model)
+    require_model_source(settings.model)
     from gateway.app import conditioning, default_engine_factory
 
     # The gateway's own engines (batched by default) behind the speech scheduler: prompts render
