@@ -234,6 +234,102 @@ def say(
     )
 
 
+DEMO_SCRIPT = Path(__file__).resolve().parent.parent / "prompts" / "demo.yaml"
+
+
+@app.command()
+def demo(
+    port: Annotated[int, typer.Option(help="HTTP port of the gateway.")] = 8080,
+    host: Annotated[str, typer.Option(help="Bind address (loopback: the demo is insecure).")
+                    ] = "127.0.0.1",
+    model: Annotated[str, typer.Option(help="Model id or local directory.")] = "tiny",
+    backend_port: Annotated[int, typer.Option(
+        help="Port of the demo's account backend stub (not started when ACME_BACKEND_URL "
+             "is set).")] = 8081,
+    sip: Annotated[str | None, typer.Option(
+        help="Also answer SIP here, e.g. 127.0.0.1:5060.")] = None,
+) -> None:
+    """Run the demo IVR (prompts/demo.yaml, --insecure) with its account backend stub: call it
+    with `gateway call http://127.0.0.1:8080` and press 1."""
+    from gateway.demo_backend import bind as bind_backend
+
+    if not DEMO_SCRIPT.exists():
+        raise GatewayError(f"the demo script is not at {DEMO_SCRIPT} (run from a checkout)")
+    _setup_logging("info")
+    require_model_source(model)
+    backend = None
+    if not os.environ.get("ACME_BACKEND_URL"):
+        from gateway.demo_backend import BackendThread
+
+        # Bound first: a port in use is one line naming the option, before any model loads.
+        backend = BackendThread(bind_backend("127.0.0.1", backend_port)).start()
+        os.environ["ACME_BACKEND_URL"] = backend.url
+        logging.getLogger("gateway").info(
+            "demo backend stub at %s: any six-digit account (417029: Dana, 29.10 dollars; "
+            "9xxxxx: overdue)", backend.url)
+    try:
+        serve(host=host, port=port, model=model, device=None, insecure=True, public_url=None,
+              script=DEMO_SCRIPT, lines=None, sip=sip)
+    finally:
+        if backend is not None:
+            backend.stop()
+
+
+@app.command("demo-backend")
+def demo_backend(
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8081,
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+) -> None:
+    """Run only the demo's account backend stub (what ACME_BACKEND_URL points the demo at)."""
+    import uvicorn
+
+    from gateway.demo_backend import bind as bind_backend
+    from gateway.demo_backend import create_app
+    from gateway.logs import uvicorn_log_config
+
+    _setup_logging("info")
+    sock = bind_backend(host, port)
+    typer.echo(f"demo backend on http://{host}:{port}/accounts/lookup "
+               f"(point ACME_BACKEND_URL at http://{host}:{port})")
+    uvicorn.Server(uvicorn.Config(create_app(), log_level="info",
+                                  log_config=uvicorn_log_config())).run(sockets=[sock])
+
+
+@app.command()
+def call(
+    target: Annotated[str, typer.Argument(
+        help="http://host:port (Twilio: the voice webhook and the stream) or "
+             "sip:host:port / host:port (SIP).")] = "http://127.0.0.1:8080",
+    to: Annotated[str, typer.Option("--to", help="The number dialled (picks the line).")
+                  ] = "+15550002222",
+    caller: Annotated[str, typer.Option("--from", help="The caller's number.")
+                      ] = "+15550000000",
+    output: Annotated[Path, typer.Option("-o", "--output", help="WAV of what you heard.")
+                      ] = Path("call.wav"),
+    say: Annotated[list[str] | None, typer.Option(
+        "--say", help="A phrase (spoken by espeak-ng or flite) or FILE.wav to say when you "
+                      "press s; repeatable.")] = None,
+    speakers: Annotated[bool, typer.Option(
+        "--speakers/--no-speakers", help="Play to the speakers when there are any.")] = True,
+    auth_token: Annotated[str | None, typer.Option(
+        help="Sign as Twilio does [GATEWAY_TWILIO_AUTH_TOKEN].")] = None,
+    max_duration: Annotated[float, typer.Option(help="Hang up after this many seconds.")
+                            ] = 600.0,
+) -> None:
+    """Call a gateway from the terminal: hear it (speakers and a WAV), press keys (0-9 * #),
+    say things (s, or `say: PHRASE` lines on a pipe), q hangs up; the call's events print as
+    they happen."""
+    from gateway.softphone import CallOptions, place_call
+
+    _setup_logging("warning")
+    token = auth_token if auth_token is not None else os.environ.get("GATEWAY_TWILIO_AUTH_TOKEN")
+    options = CallOptions(target=target, to=to, caller=caller, output=output,
+                          auth_token=token or None, speakers=speakers, say=list(say or []),
+                          max_duration_s=max_duration)
+    if asyncio.run(place_call(options)) != 0:
+        raise GatewayError("the call did not connect")
+
+
 @model_app.command("tiny")
 def model_tiny(
     directory: Annotated[Path, typer.Argument(help="Where to write the checkpoint.")],
