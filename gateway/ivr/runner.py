@@ -700,8 +700,8 @@ class IvrRunner:
             raise _Failed(f"webhook {hook.url} answered JSON that is not an object")
         merged = _merge_variables(data)
         # The call's own variables are facts of the call, not the backend's to change.
-        for name in BUILTIN_VARIABLES:
-            merged.pop(name, None)
+        for builtin in BUILTIN_VARIABLES:
+            merged.pop(builtin, None)
         self.variables.update(merged)
         call.set = sorted(merged)
         # The turn that follows a webhook is measured from its answer.
