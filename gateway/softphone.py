@@ -504,7 +504,7 @@ async def _twilio(options: CallOptions, phone: _Phone) -> int:
                     screen.event(f"▶ utterance (plays at {start / 8000:.2f} s)", at)
             elif kind == "mark":
                 boundary[0] = True
-                screen.event(f"■ mark {data}: the gateway sent that utterance whole", at)
+                screen.event(f"■ mark {data!s}: the gateway sent that utterance whole", at)
             elif kind == "clear":
                 boundary[0] = True
                 phone.cleared(at)
@@ -554,8 +554,11 @@ async def _sip(options: CallOptions, phone: _Phone) -> int:
     screen = phone.screen
     user = options.to.replace(" ", "")
     screen.event(f"dialling sip:{user}@{host}:{port} from {options.caller}: INVITE")
+    def on_audio(at: float, payload: bytes, marker: bool) -> None:
+        phone.heard(at, payload)
+
     caller = SipCaller(caller_id=options.caller.replace(" ", "") or "softphone",
-                       on_audio=lambda at, payload, marker: phone.heard(at, payload))
+                       on_audio=on_audio)
     try:
         try:
             await caller.call((host, port), user=user, timeout_s=options.timeout_s)
