@@ -222,6 +222,8 @@ class _Level:
     dropped: int
     refused_by: tuple[tuple[str, int], ...]
     failures_by: tuple[tuple[str, int], ...]
+    #: Turns the gateway's /metrics said it failed (counted in ``errors``), by cause.
+    gateway_failures_by: tuple[tuple[str, int], ...]
     placed_per_s: float | None
     duration_s: float | None
     ttfa: _Pcts
@@ -265,6 +267,7 @@ class _Level:
             dropped=_int(obj, "dropped", path),
             refused_by=_counts(obj, "refused_by", path),
             failures_by=_counts(obj, "failures_by", path),
+            gateway_failures_by=_counts(obj, "gateway_failures_by", path),
             placed_per_s=_num(obj, "placed_per_s", path),
             duration_s=_num(obj, "duration_s", path),
             ttfa=_Pcts.parse(_mapping(obj, "ttfa_ms", path), f"{path}.ttfa_ms"),
@@ -711,11 +714,12 @@ def _levels_rows(run: _Run) -> list[dict[str, Any]]:
         timeouts[call.level] += sum(t.timed_out for t in call.turns)
     rows = []
     for index, lv in enumerate(run.levels):
+        shown = _Pcts() if lv.withheld else lv.ttfa  # withheld figures are not printed
         rows.append({
             "cells": [run.level_label(index), f"{lv.calls:,}", f"{lv.completed:,}",
                       f"{lv.refused:,}", f"{lv.errors:,}", _fmt(lv.placed_per_s, 2),
-                      f"{timeouts[index]:,}", _fmt(lv.ttfa.p50), _fmt(lv.ttfa.p95),
-                      _fmt(lv.ttfa.p99), f"{lv.gaps:,}", _fmt(lv.gap_ms), _fmt(lv.mos, 2),
+                      f"{timeouts[index]:,}", _fmt(shown.p50), _fmt(shown.p95),
+                      _fmt(shown.p99), f"{lv.gaps:,}", _fmt(lv.gap_ms), _fmt(lv.mos, 2),
                       _fmt(lv.r_factor, 1), _fmt(lv.characters_per_s, 1),
                       _fmt(lv.lateness.p99, 2)],
             "verdict": _verdict(lv), "withheld": lv.withheld,
@@ -761,12 +765,20 @@ def _cause_rows(run: _Run) -> list[dict[str, str]]:
         for index, lv in enumerate(run.levels):
             for outcome, grouped in (("refused", lv.refused_by), ("failed", lv.failures_by)):
                 for cause, n in grouped:
+                    if outcome == "failed" and cause.startswith("gateway: "):
+                        continue  # the gateway's turns: their own rows below
                     counts[(outcome, cause)] += n
                     levels.setdefault((outcome, cause), set()).add(index)
-    return [{"calls": f"{count:,}", "outcome": outcome,
+    rows = [{"calls": f"{count:,}", "outcome": outcome,
              "levels": ", ".join(run.level_label(i) for i in sorted(levels[(outcome, cause)])),
              "cause": cause}
             for (outcome, cause), count in counts.most_common()]
+    for index, lv in enumerate(run.levels):
+        # Not per call: the gateway's own counts of the turns it failed.
+        for cause, n in lv.gateway_failures_by:
+            rows.append({"calls": "-", "outcome": "failed", "levels": run.level_label(index),
+                         "cause": f"{n:,} turn(s) the gateway failed: {cause}"})
+    return rows
 
 
 def _slowest_rows(run: _Run, limit: int = 10) -> list[list[str]]:
@@ -886,9 +898,11 @@ def render_summary_table(data: Mapping[str, Any]) -> RenderableType:
         for index in indexes:
             lv = run.levels[index]
             verdict = _verdict(lv)
+            # Withheld figures are not shown: a number beside "withheld" still gets read.
+            shown = _Pcts(None, None, None, None) if lv.withheld else lv.ttfa
             table.add_row(
                 lv.label, f"{lv.calls:,}", f"{lv.refused:,}", f"{lv.errors:,}",
-                _fmt(lv.ttfa.p50), _fmt(lv.ttfa.p95), _fmt(lv.ttfa.p99), f"{lv.gaps:,}",
+                _fmt(shown.p50), _fmt(shown.p95), _fmt(shown.p99), f"{lv.gaps:,}",
                 _fmt(lv.mos, 2),
                 f"[{_STYLES[verdict]}]{verdict}[/]" if verdict in _STYLES else verdict,
                 style="dim" if lv.withheld else None,
@@ -900,6 +914,12 @@ def render_summary_table(data: Mapping[str, Any]) -> RenderableType:
                     f"({_fmt(lv.placed_per_s, 2)}/s), {lv.completed:,} completed, "
                     f"{lv.refused:,} refused, {lv.errors:,} failed")
             parts.append(Text(line))
+            if lv.gateway_failures_by:
+                turns = sum(n for _, n in lv.gateway_failures_by)
+                parts.append(Text(f"{lv.label}: {turns:,} turn(s) failed in the gateway "
+                                  "(its /metrics; counted as failed): "
+                                  + "; ".join(f"{n:,} {cause}"
+                                              for cause, n in lv.gateway_failures_by)))
             if lv.characters_per_s:
                 parts.append(Text(f"{lv.label}: {lv.characters_per_s:,.1f} characters/s "
                                   "synthesised (live sentences heard whole)"))

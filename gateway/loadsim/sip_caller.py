@@ -865,6 +865,11 @@ class SipCaller:
         return self.pacer.stats
 
     @property
+    def call_id(self) -> str:
+        """The SIP Call-ID of the call ("" before :meth:`call`)."""
+        return self._call_id
+
+    @property
     def packets_sent(self) -> int:
         """RTP packets sent (audio and telephone events)."""
         return self._rtp_out.packets_sent
