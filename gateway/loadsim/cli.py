@@ -76,14 +76,18 @@ def _config(target: str, transport: str, scenario: str, digits: str, think: floa
     for turn in digits.split(","):
         if is_speech(turn):
             speech_frames(turn)  # a recording that cannot be read stops the run here
-    return LoadConfig(target=target, transport=transport, auth_token=token or None,
-                      scenario=scenario, digits=[d for d in digits.split(",") if d],
-                      think_s=think, listen_s=listen, duration_s=duration, workers=workers,
-                      pattern=pattern, rate=rate, ramp_from=ramp_from or 1,
-                      turn_timeout_s=turn_timeout, withhold_fraction=withhold_fraction,
-                      backoff_s=backoff, http=http, greeting=greeting, jitter=jitter, seed=seed,
-                      **({"called": to} if to else {}),
-                      **({"caller_id": caller} if caller else {}))
+    config = LoadConfig(target=target, transport=transport, auth_token=token or None,
+                        scenario=scenario, digits=[d for d in digits.split(",") if d],
+                        think_s=think, listen_s=listen, duration_s=duration, workers=workers,
+                        pattern=pattern, rate=rate, ramp_from=ramp_from or 1,
+                        turn_timeout_s=turn_timeout, withhold_fraction=withhold_fraction,
+                        backoff_s=backoff, http=http, greeting=greeting, jitter=jitter,
+                        seed=seed)
+    if to:
+        config.called = to
+    if caller:
+        config.caller_id = caller
+    return config
 
 
 def progress_line(state: dict[str, Any], width: int) -> str:
