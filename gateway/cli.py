@@ -6,13 +6,14 @@ Tests call :func:`main` with an argv list instead of spawning a process.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -588,9 +589,23 @@ def prompts_render(
                f"({speech.capacity} at once)")
 
 
+def _unwrap_summaries(command: Any) -> None:
+    """Join the first paragraph of every command's help into one line.
+
+    Typer's rich help keeps the docstring's line breaks in the command list (``gateway
+    --help``), so summaries broke mid-sentence wherever the source did; the terminal wraps
+    them instead. Later paragraphs keep their breaks."""
+    if command.help:
+        first, sep, rest = inspect.cleandoc(command.help).partition("\n\n")
+        command.help = " ".join(first.split()) + sep + rest
+    for sub in getattr(command, "commands", {}).values():
+        _unwrap_summaries(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code instead of exiting (for tests)."""
     command = typer.main.get_command(app)
+    _unwrap_summaries(command)
     try:
         command.main(args=argv, prog_name="gateway", standalone_mode=False)
     except GatewayError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -229,3 +230,30 @@ def test_every_model_command_with_a_hub_model_and_no_hub_fails_at_once_with_one_
     assert len([line for line in err.splitlines() if line.strip()]) == 1, err
     assert elapsed < 10, f"took {elapsed:.1f} s"  # serve and voices add used to take 54 s
     assert not (tmp_path / "x.wav").exists() and not (tmp_path / "voices" / "anna").exists()
+
+
+def test_command_summaries_are_whole_sentences_not_the_docstrings_line_breaks(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "250")  # wide enough that nothing needs wrapping
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if "│ demo " in line)
+    assert "account backend stub: call it with `gateway call" in line
+    assert main(["prompts", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "schema and logic errors as file:line:column: message" in out
+
+
+@pytest.mark.parametrize(("argv", "usage"), [(["--help"], "Usage: gateway [OPTIONS] COMMAND"),
+                                             (["help"], "Usage: gateway [OPTIONS] COMMAND"),
+                                             (["help", "call"], "Usage: gateway call ")])
+def test_run_sh_help_lists_the_commands_or_explains_one(argv: list[str], usage: str) -> None:
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(["bash", str(root / "run.sh"), *argv], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "120"})
+    assert done.returncode == 0, done.stderr
+    assert usage in done.stdout
+    assert "Run the gateway (HTTP webhooks" not in done.stdout.split("Commands", 1)[0]
