@@ -8,8 +8,10 @@ lookup answered by the demo's own stub.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue
+import re
 import shutil
 import socket
 import subprocess
@@ -297,8 +299,9 @@ def test_twilio_call_pressing_2_is_transferred_by_the_connect_action(
 
 def test_sip_call_keys_as_rfc4733_and_the_transfer_as_refer(
     demo_realtime: tuple[Any, list[dict[str, Any]]], tmp_path: Path,
-    softphones: list[Softphone],
+    softphones: list[Softphone], caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="gateway")
     live, _ = demo_realtime
     wav = tmp_path / "sip.wav"
     endpoint = live.gateway.sip
@@ -313,6 +316,12 @@ def test_sip_call_keys_as_rfc4733_and_the_transfer_as_refer(
     phone.wait_for("transfer: REFER to sip:+15555550100@")
     phone.wait_for("hang-up: the gateway sent BYE")
     assert _heard(wav) > 0.2
+    # One name per SIP call in every log line ("sip-<Call-ID>"), and utterance ids made of the
+    # Call-ID's random part: they were "27.0.0.1-u1" and "<Call-ID;tag>"[:24] beside it.
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    names = {n.rstrip(":") for n in re.findall(r"sip call (\S+)", text)}
+    assert names and all(re.fullmatch(r"sip-[0-9a-f]{32}@127\.0\.0\.1", n) for n in names), names
+    assert "27.0.0.1-u" not in text
 
 
 @pytest.mark.skipif(not (shutil.which("espeak-ng") or shutil.which("flite")),
