@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from conftest import AUTH_TOKEN
+from readme_samples import documented_commands, mismatch
 
 from gateway.audio.g711 import ulaw_encode
 from gateway.softphone import Keyboard, Playout, Speakers, sip_address
@@ -150,11 +151,13 @@ class Softphone:
     def __init__(self, target: str, out: Path, *args: str) -> None:
         self.lines: list[str] = []
         self._new: queue.Queue[str] = queue.Queue()
+        # In the WAV's folder, writing it by its bare name as the README's `./run.sh call`
+        # does (call.wav in the current directory); never to a developer's speakers.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "call", target, "-o", str(out), "--no-speakers",
+            [sys.executable, "-m", "gateway", "call", target, "-o", out.name, "--no-speakers",
              "--max-duration", "90", *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            cwd=ROOT)
+            cwd=out.parent)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -269,6 +272,11 @@ def test_quick_start_demo_call_press_1_account_lookup_answered_by_the_stub(
                '"anything_else","goodbye"]' in trace
         assert '"result":"ok"' in trace  # the webhook, answered by the stub
         assert "Your balance is 29.10 dollars" in trace
+        # What the README's quick start shows after `./run.sh call` is what it prints.
+        (sample,) = {d.sample for d in documented_commands() if d.argv[:1] == ["call"]}
+        assert sample is not None
+        problem = mismatch(sample, "\n".join(phone.lines))
+        assert problem is None, problem
     finally:
         demo.terminate()
         try:
