@@ -98,9 +98,6 @@ def serve(
     )
     _setup_logging(settings.log_level, settings.log_format)
     settings.require_security()
-    # Before anything binds or loads: a hub model the hub cannot provide is one line in
-    # seconds, not a minute of huggingface_hub retries.
-    require_model_source(settings.model)
     if settings.insecure:
         logging.getLogger("gateway").warning(
             "--insecure: Twilio signatures are NOT validated; never expose this to the internet"
@@ -120,6 +117,10 @@ def serve(
 
             sip_socket = bind_udp(*settings.sip_bind)
         fastapi_app = create_app(settings, sip_socket=sip_socket)
+        # Before the model loads (the app's lifespan): a hub model the hub cannot provide is
+        # one line in seconds, not a minute of huggingface_hub retries. After the script, whose
+        # errors say more about what the operator just did.
+        require_model_source(settings.model)
     except BaseException as exc:
         http_socket.close()
         if sip_socket is not None:
