@@ -364,3 +364,49 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     # The withheld-level banner's fill (#fff4e5) is on screen.
     banner = np.all(np.abs(rgb.astype(int) - (0xFF, 0xF4, 0xE5)) <= 1, axis=1)
     assert np.count_nonzero(banner) > 5000
+
+
+def _figures(doc: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The report's matplotlib figures, by plot name, as build_html draws them."""
+    from gateway.loadsim import report
+
+    figures: dict[str, Any] = {}
+    monkeypatch.setattr(report, "_svg", lambda fig, name: figures.setdefault(name, fig) and "")
+    build_html(doc)
+    return figures
+
+
+def test_withheld_notes_stay_inside_the_plot_and_the_hollow_markers_have_a_legend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    doc = synthetic_document()  # x20 is withheld
+    fig = _figures(doc, monkeypatch)["latency-vs-concurrency"]
+    ax = fig.axes[0]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    title = ax.title.get_window_extent(renderer)
+    box = ax.get_window_extent(renderer)
+    notes = [t for t in ax.texts if t.get_text() == "withheld"]
+    assert notes
+    for note in notes:
+        extent = note.get_window_extent(renderer)
+        assert not extent.overlaps(title), "the note covers the plot's title"
+        assert box.y0 <= extent.y0 and extent.y1 <= box.y1, "the note is outside the axes"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "figures withheld" in legend and "p95" in legend
+
+
+def test_gap_panels_without_gaps_say_so_instead_of_a_0_to_0_05_axis(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    doc = synthetic_document()
+    for call in doc["calls"]:
+        for turn in call["turns"]:
+            turn["gaps"], turn["gap_ms"] = 0, 0.0
+    fig = _figures(doc, monkeypatch)["gaps-over-time"]
+    _, ax_ms, ax_n = fig.axes
+    for ax in (ax_ms, ax_n):
+        assert ax.get_ylim() == (0.0, 1.0)
+        assert any(t.get_text() == "no gaps heard" for t in ax.texts)

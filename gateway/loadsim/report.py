@@ -574,16 +574,22 @@ def _plot_latency_vs_concurrency(run: _Run) -> str:
                     withheld = [(lv.concurrency, getattr(lv.ttfa, key)) for lv in series
                                 if getattr(lv.ttfa, key) is not None and lv.withheld]
                     if withheld:
+                        labelled = "figures withheld" in ax.get_legend_handles_labels()[1]
                         ax.plot(*zip(*withheld, strict=True), ls="none", marker=marker,
-                                mfc="none", color="#999999")
+                                mfc="none", color="#999999",
+                                label=None if labelled else "figures withheld")
+            highest = max(v for lv in points for v in (lv.ttfa.p50, lv.ttfa.p95, lv.ttfa.p99)
+                          if v is not None)
+            # Headroom for the "withheld" notes: inside the axes, never over the title.
+            ax.set_ylim(0, highest * (1.25 if any(lv.withheld for lv in points) else 1.05))
             for lv in points:
                 if lv.withheld:
                     top = max(v for v in (lv.ttfa.p50, lv.ttfa.p95, lv.ttfa.p99) if v is not None)
-                    ax.annotate("withheld", xy=(lv.concurrency, top), xytext=(0, 8),
-                                textcoords="offset points", ha="center", color="#a33")
-            ax.set_ylim(bottom=0)
+                    ax.annotate("withheld", xy=(lv.concurrency, top), xytext=(0, 6),
+                                textcoords="offset points", ha="center", va="bottom",
+                                color="#a33", annotation_clip=True)
             ax.set_ylabel("time to first audio (ms)")
-            if ax.get_legend_handles_labels()[1]:  # none when every level was withheld
+            if ax.get_legend_handles_labels()[1]:
                 ax.legend(title="percentile", loc="upper left")
         placed = [lv for lv in run.levels if lv.calls]
         if not placed:
@@ -672,6 +678,13 @@ def _plot_gaps_over_time(run: _Run, duration_s: float | None) -> tuple[str, bool
                 ax_calls.legend(loc="upper right", title="calls placed, by outcome")
             ax_ms.bar(starts, gap_ms, width=1.0, align="edge", color=_PALETTE[5])
             ax_n.bar(starts, gap_count, width=1.0, align="edge", color=_PALETTE[0])
+            for ax, values in ((ax_ms, gap_ms), (ax_n, gap_count)):
+                if not values.any():
+                    # Not matplotlib's 0-0.05 axis around nothing: say there was nothing.
+                    ax.set_ylim(0, 1)
+                    ax.set_yticks([0, 1])
+                    ax.text(0.5, 0.5, "no gaps heard", ha="center", va="center",
+                            transform=ax.transAxes, color="#666666")
             spans: dict[int, list[float]] = {}
             for level, at, _ in turns:
                 spans.setdefault(level, []).append(at)
@@ -692,6 +705,8 @@ def _plot_gaps_over_time(run: _Run, duration_s: float | None) -> tuple[str, bool
             ax_n.set_xlim(0, buckets)
             for ax in (ax_calls, ax_ms, ax_n):
                 ax.set_ylim(bottom=0)
+                if ax is not ax_calls and ax.get_ylim()[1] < 1:
+                    ax.set_ylim(0, 1)
         ax_calls.set_title("Calls placed (completed, refused, failed) and audio gaps "
                            "(underruns heard by callers) over the run")
         return _svg(fig, "gaps-over-time"), restarted
