@@ -5,9 +5,11 @@ prompts/lines.yaml (the demo as the customer-service line, the outage line besid
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
+import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from typing import Any
 
 import pytest
 from conftest import AUTH_TOKEN, LiveServer, serve
+from sip_peers import free_port
 
 from gateway.cli import main
 from gateway.loadsim.model import DEFAULT_LATENCY_BOUND_MS, CallRecord, Level, Turn
@@ -30,10 +33,13 @@ def lines_gateway(tiny_model_dir: Path, demo_cache_dir: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     cache = tmp_path_factory.mktemp("lines-cache") / "prompts"
     shutil.copytree(demo_cache_dir, cache)  # the demo's prompts; the outage line's render here
-    with serve({"model": str(tiny_model_dir), "lines": str(LINES), "cache_dir": str(cache),
-                "max_calls": 64, "sip": "127.0.0.1:0", "sip_allow": "127.0.0.1/32",
-                "rtp_ports": "27000-27999"}) as live:
-        yield live
+    with pytest.MonkeyPatch.context() as patch:
+        # The demo's account backend is down: nothing listens there (read as the script loads).
+        patch.setenv("ACME_BACKEND_URL", f"http://127.0.0.1:{free_port(socket.SOCK_STREAM)}")
+        with serve({"model": str(tiny_model_dir), "lines": str(LINES), "cache_dir": str(cache),
+                    "max_calls": 64, "sip": "127.0.0.1:0", "sip_allow": "127.0.0.1/32",
+                    "rtp_ports": "27000-27999"}) as live:
+            yield live
 
 
 def _sip_target(live: LiveServer) -> str:
@@ -185,8 +191,6 @@ def test_recognition_failures_count_as_failures_with_their_cause(
                  "--auth-token", AUTH_TOKEN, "--json", str(out), "--slo", "errors=0"])
     printed = capsys.readouterr().out
     # Every call completed (the gather prompted again and took keys), yet the turn failed.
-    import json
-
     (level,) = json.loads(out.read_text())["levels"]
     assert level["failed_calls"] == 0 and level["completed"] == level["calls"]
     cause = "speech recognition failed (gateway_speech_turns_total{result=failed})"
@@ -194,3 +198,20 @@ def test_recognition_failures_count_as_failures_with_their_cause(
     assert level["failures_by"] == {f"gateway: {cause}": level["errors"]}
     assert "turn(s) failed in the gateway" in printed and "speech recognition failed" in printed
     assert code == 1  # the SLO's errors=0 is missed
+
+
+def test_a_failed_webhook_counts_as_a_failure_with_its_cause(
+    lines_gateway: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The caller hears "sorry" and a transfer, a completed call; the gateway counted the
+    lookup that failed, and so does the simulator."""
+    out = tmp_path / "run.json"
+    code = main(["loadsim", "run", lines_gateway.base_url, "--concurrency", "1", "--duration",
+                 "0.5", "--digits", "1,123456#", "--think", "0.3", "--listen", "6",
+                 "--auth-token", AUTH_TOKEN, "--json", str(out)])
+    assert code == 0, capsys.readouterr()
+    (level,) = json.loads(out.read_text())["levels"]
+    cause = ("a script webhook failed: the call went to its error node "
+             "(gateway_webhook_failures_total)")
+    assert level["gateway_failures_by"].get(cause, 0) >= 1, level["gateway_failures_by"]
+    assert level["errors"] >= 1 and level["failed_calls"] == 0

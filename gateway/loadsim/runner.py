@@ -652,6 +652,9 @@ GATEWAY_FAILURES: dict[str, tuple[str, str | None]] = {
         "speech recognition failed (gateway_speech_turns_total{result=failed})", "failed"),
     "gateway_speech_failures_total": (
         "an utterance was not heard: TTS failed (gateway_speech_failures_total)", None),
+    "gateway_webhook_failures_total": (
+        "a script webhook failed: the call went to its error node "
+        "(gateway_webhook_failures_total)", None),
     "gateway_calls_protocol_errors_total": (
         "a call was closed for a malformed message (gateway_calls_protocol_errors_total)", None),
 }
