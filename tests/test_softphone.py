@@ -357,3 +357,38 @@ def test_a_refused_call_exits_1_with_the_busy_message(tmp_path: Path) -> None:
                  "--no-speakers"])
     assert code == 1
     assert (tmp_path / "x.wav").exists()
+
+
+def test_on_a_terminal_each_key_goes_out_as_it_is_pressed(
+    demo_realtime: tuple[Any, list[dict[str, Any]]], tmp_path: Path,
+) -> None:
+    """A real pseudo-terminal on standard input: cbreak mode, no Enter needed; the terminal's
+    settings are given back when the call ends."""
+    import pty
+    import termios
+
+    live, _ = demo_realtime
+    master, slave = pty.openpty()
+    before = termios.tcgetattr(slave)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "call", live.base_url, "--no-speakers",
+         "--auth-token", AUTH_TOKEN, "--max-duration", "60"],
+        stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "▶ utterance" in line:
+                os.write(master, b"2")  # one keystroke, no newline
+                break
+        lines += proc.stdout.readlines()
+        assert proc.wait(60) == 0, "".join(lines)
+        assert termios.tcgetattr(slave) == before  # cbreak undone
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+        os.close(slave)
+    text = "".join(lines)
+    assert "key 2 sent" in text and "transfer: <Dial> +15555550100" in text, text
