@@ -336,8 +336,9 @@ def test_sip_call_keys_as_rfc4733_and_the_transfer_as_refer(
                     reason="no local TTS (espeak-ng or flite) to speak the phrase")
 def test_a_phrase_said_with_the_local_tts_reaches_the_speech_menu(
     demo_realtime: tuple[Any, list[dict[str, Any]]], tmp_path: Path,
-    softphones: list[Softphone],
+    softphones: list[Softphone], caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.ivr.runner")
     live, _ = demo_realtime
     phone = Softphone(live.base_url, tmp_path / "call.wav", "--auth-token", AUTH_TOKEN)
     softphones.append(phone)
@@ -347,6 +348,16 @@ def test_a_phrase_said_with_the_local_tts_reaches_the_speech_menu(
     phone.wait_for("done speaking")
     assert phone.finish() == 0
     phone.wait_for("transfer: <Dial> +15555550100")
+    # Chosen by what was said, not by the menu's fallback after its retries.
+    deadline = time.monotonic() + 10
+    while True:
+        traces = [r.data["trace"] for r in caplog.records  # type: ignore[attr-defined]
+                  if r.getMessage() == "ivr trace"]
+        if traces or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert any(["menu", "said: agent"] in [[c["node"], c["chose"]] for c in t["choices"]]
+               for t in traces), traces
 
 
 def test_a_refused_call_exits_1_with_the_busy_message(tmp_path: Path) -> None:
