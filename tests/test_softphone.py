@@ -82,14 +82,16 @@ def test_speakers_degrade_to_a_reason_without_the_library(monkeypatch: pytest.Mo
     assert speakers is None and "sounddevice is not installed" in note
 
 
-def test_speakers_on_a_machine_without_an_output_device_say_so() -> None:
-    pytest.importorskip("sounddevice")  # PortAudio itself missing: the import fails (above)
+def test_speakers_on_this_machine_play_or_say_why_not() -> None:
+    """Whatever this machine has: a sound card (plays), PortAudio without an output device
+    (CI: "no audio output device"), or no PortAudio at all (the import raises OSError)."""
     speakers, note = Speakers.open()
-    if speakers is not None:  # a developer's machine with a sound card
+    if speakers is not None:
         speakers.close()
         assert note.startswith("playing to ")
     else:
-        assert "no audio output device" in note or "PortAudio" in note
+        assert note.startswith(("no audio output device", "PortAudio is missing",
+                                "sounddevice is not installed")), note
 
 
 def test_sip_targets() -> None:
