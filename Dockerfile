@@ -12,14 +12,29 @@
 # Declared once here; each stage that reads it re-declares it without a value.
 ARG MODEL_ID=Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice
 
+# --- the CUDA variant: which NVIDIA driver the hosts need ----------------------------------------
+# PyPI's torch 2.14.1 wheels are CUDA 13.0 builds, and NVIDIA's minor-version compatibility runs a
+# CUDA 13.x build on driver >= 580 only (12.x: >= 525). The reference deployment (infra/) runs the
+# ECS GPU-optimised Amazon Linux 2023 AMI, which ships driver 580.x: the defaults fit it. For a
+# host on an older driver (the ECS GPU AMI for Amazon Linux 2 ships 550.x), build for CUDA 12:
+#   docker build --build-arg CUDA_IMAGE=nvidia/cuda:12.6.3-base-ubuntu24.04 \
+#                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 \
+#                --build-arg CUDA_DRIVER_MIN=525 -t ivr-gateway .
+# The image's label io.qwen3-tts-ivr-gateway.cuda-driver-min states what it needs; on a host below
+# it, the gateway (GATEWAY_DEVICE=cuda) refuses to start and /readyz names the driver it found.
+ARG CUDA_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
+# Empty: PyPI (CUDA 13). Else a PyTorch wheel index (https://download.pytorch.org/whl/cu126, ...).
+ARG TORCH_INDEX_URL=
+ARG CUDA_DRIVER_MIN=580
+
 # --- os: the base every stage shares ------------------------------------------------------------
 # The `base` flavour of the CUDA image on purpose: PyPI's torch wheels carry their own CUDA 13
 # user-space libraries (cuBLAS, cuDNN, NCCL... as nvidia-* wheels, 3.2 GB installed), so the
 # `runtime`/`cudnn-runtime` flavours would ship a second, unused copy of them. `base` still has
 # cudart, the CUDA forward-compat libraries and the NVIDIA_* variables the container toolkit reads.
-# CUDA 13.0 matches torch 2.14.1's wheels (cuda-toolkit 13.0.x); hosts need driver >= 580.
+# Its CUDA version matches torch's wheels (CUDA_IMAGE above).
 # Ubuntu 24.04's python3 is 3.12: >= 3.11 as pyproject.toml asks, < 3.13 so no audioop-lts.
-FROM nvidia/cuda:13.0.2-base-ubuntu24.04 AS os
+FROM ${CUDA_IMAGE} AS os
 
 ARG DEBIAN_FRONTEND=noninteractive
 # sox: qwen_tts's python "sox" dependency shells out to it (as in .ci/run); ca-certificates: the
@@ -47,7 +62,8 @@ RUN python3 -m venv /opt/venv
 # equal), installed first: qwen_tts imports torchaudio at import time, and PyPI's torchaudio only
 # loads beside a CUDA build of torch (PyPI's default torch wheel for Linux is one).
 ARG TORCH_PAIR="torch==2.14.1 torchaudio==2.11.1"
-RUN pip install --no-cache-dir $TORCH_PAIR
+ARG TORCH_INDEX_URL
+RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} $TORCH_PAIR
 
 # The dependencies alone, read from pyproject.toml, before the code is copied: a code change then
 # rebuilds from the `app` stage on and does not reinstall ~6 GB of wheels. The pair is named
@@ -110,13 +126,17 @@ RUN set -e; \
 FROM os AS runtime
 
 ARG MODEL_ID
+ARG CUDA_IMAGE
+ARG CUDA_DRIVER_MIN
 # The IVR script the gateway runs (a path in the build context; render it via PROMPT_SCRIPTS).
 ARG SCRIPT=prompts/demo.yaml
 
 LABEL org.opencontainers.image.title="qwen3-tts-ivr-gateway" \
       org.opencontainers.image.description="Telephony IVR media gateway: Twilio Media Streams and SIP in, streaming Qwen3-TTS out." \
       org.opencontainers.image.licenses="Apache-2.0" \
-      io.qwen3-tts-ivr-gateway.model="$MODEL_ID"
+      io.qwen3-tts-ivr-gateway.model="$MODEL_ID" \
+      io.qwen3-tts-ivr-gateway.cuda-image="$CUDA_IMAGE" \
+      io.qwen3-tts-ivr-gateway.cuda-driver-min="$CUDA_DRIVER_MIN"
 
 # A fixed numeric UID/GID, so orchestrators can check runAsNonRoot and volumes can be chowned.
 RUN groupadd --gid 10001 gateway \

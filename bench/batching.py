@@ -34,12 +34,13 @@ from typing import Any
 
 import torch
 from common import SPEAKERS, TEXTS, pct, print_table, run_callers
+from slot_engine import SlotEngine, SlotService, _never
 
 from gateway.tts.batch_sampling import DEFAULT_SAMPLING, kcap_for
 from gateway.tts.batched import BatchedQwenEngine, bucket_for, kv_len_for
 from gateway.tts.codec_stream import StreamingCodecDecoder
 from gateway.tts.engine import SpeechRequest
-from gateway.tts.qwen import QwenEngine, QwenModel, _never
+from gateway.tts.qwen import QwenModel
 from gateway.tts.service import SpeechService
 
 
@@ -86,18 +87,18 @@ def gen_batched(engine: BatchedQwenEngine, turns: int, frames: int) -> Gen:
         steps += 1
         for row in rows:
             assert row.output is not None
-            row.output.buffer.clear()  # the codec is measured on its own
+            engine.drop_pending(row)  # the codec is measured on its own
     t2 = time.perf_counter()
     for row in rows:
         engine.close(row)
     return Gen(turns * frames, t2 - t0, t1 - t0, (t2 - t1) / steps, time.process_time() - c0)
 
 
-def gen_slots(slots: list[QwenEngine], turns: int, frames: int) -> Gen:
+def gen_slots(slots: list[SlotEngine], turns: int, frames: int) -> Gen:
     """One thread per turn, each a batch-1 slot engine, as the slot scheduler runs them."""
     timings: list[tuple[float, float]] = []
 
-    def work(engine: QwenEngine, i: int) -> None:
+    def work(engine: SlotEngine, i: int) -> None:
         with torch.inference_mode():
             req = request(i, frames)
             t = time.perf_counter()
@@ -172,7 +173,7 @@ def part_full_size(args: argparse.Namespace) -> float:
     t = time.monotonic()
     shared = QwenModel(str(model_dir), device="cpu", cpu_linear=args.cpu_linear)
     batched = BatchedQwenEngine(shared, max_rows=max(levels), max_seq_len=args.max_seq_len)
-    slots = [QwenEngine(shared, max_seq_len=args.max_seq_len) for _ in range(max(levels))]
+    slots = [SlotEngine(shared, max_seq_len=args.max_seq_len) for _ in range(max(levels))]
     # First-use costs (lazy cache set-up, mask tables) before anything is timed.
     gen_batched(batched, 1, 2)
     for slot in slots:
@@ -285,12 +286,13 @@ def part_tiny(args: argparse.Namespace) -> None:
     model = QwenModel(resolve_model("tiny"), device="cpu")
     batched = BatchedQwenEngine(model, max_rows=max(levels))
     batched.warmup()
-    slots = [QwenEngine(model) for _ in range(max(levels))]
+    slots = [SlotEngine(model) for _ in range(max(levels))]
     for slot in slots:
         slot.warmup()
 
     async def level(engines: list, n: int) -> tuple[list, float, Any]:  # type: ignore[type-arg]
-        service = SpeechService(engines, first_audio_budget_s=0.2)
+        service = (SpeechService(engines, first_audio_budget_s=0.2) if engines[0] is batched
+                   else SlotService(engines))
         service.start()
         try:
             turns, audio_per_wall = await run_callers(service, n, n if args.quick else 2 * n,

@@ -26,16 +26,19 @@ import time
 from pathlib import Path
 
 from common import TEXTS, pct, print_table, run_callers
+from slot_engine import SlotEngine, SlotService
 
 from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.engine import Engine
-from gateway.tts.qwen import QwenEngine, QwenModel
+from gateway.tts.qwen import QwenModel
 from gateway.tts.service import SpeechService
 
 
 async def run_level(engines: list[Engine], concurrency: int, turns: int,
                     frames: int) -> tuple[list, float]:  # type: ignore[type-arg]
-    service = SpeechService(engines, first_audio_budget_s=0.2)
+    service: SpeechService | SlotService = (
+        SpeechService(engines, first_audio_budget_s=0.2)
+        if isinstance(engines[0], BatchedQwenEngine) else SlotService(engines))
     service.start()
     try:
         return await run_callers(service, concurrency, turns, frames)
@@ -75,10 +78,19 @@ def main() -> None:
     parser.add_argument("--chunk-schedule", default="1,2,4,8")
     parser.add_argument("--codec-decode", default="incremental",
                         choices=["incremental", "windowed"])
+    parser.add_argument("--graphs", default="auto", choices=["auto", "on", "off"],
+                        help="batched engine's graph mode (on with a CPU: the capture stand-in)")
+    parser.add_argument("--max-seq-len", type=int, default=None)
     parser.add_argument("--markdown", type=Path, help="also append the table here (Markdown)")
     args = parser.parse_args()
 
+    import logging
+
     import torch
+
+    # The engine's start-up (graph captures, one line each) belongs in a benchmark's log.
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("gateway.tts").setLevel(logging.INFO)
 
     if args.build_random and not (Path(args.model) / "model.safetensors").exists():
         from gateway.tts.tiny import build_random_checkpoint
@@ -94,14 +106,21 @@ def main() -> None:
     if args.engine == "batched":
         engines = [BatchedQwenEngine(shared, max_rows=max(levels),
                                      chunk_schedule=args.chunk_schedule,
-                                     codec_decode=args.codec_decode)]
+                                     codec_decode=args.codec_decode,
+                                     max_seq_len=args.max_seq_len,
+                                     cuda_graphs={"auto": None, "on": True,
+                                                  "off": False}[args.graphs])]
     else:
-        engines = [QwenEngine(shared, chunk_schedule=args.chunk_schedule,
+        engines = [SlotEngine(shared, chunk_schedule=args.chunk_schedule,
                               codec_decode=args.codec_decode) for _ in range(max(levels))]
     for engine in engines:
         engine.warmup()
     setup_s = time.monotonic() - t
     hardware = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "CPU"
+    if args.engine == "batched":
+        engine = engines[0]
+        assert isinstance(engine, BatchedQwenEngine)
+        hardware += f", graphs {engine.graph_mode}"
     print(f"model {shared.model_id} on {args.device} ({hardware}); {args.engine} engine, "
           f"{len(engines)} engine(s) loaded and warmed in {setup_s:.1f} s; {args.frames} "
           f"frames/turn, chunks {args.chunk_schedule}, codec decode {args.codec_decode}")

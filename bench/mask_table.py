@@ -3,7 +3,7 @@
     python bench/mask_table.py                  # tiny checkpoint, CPU
     python bench/mask_table.py --device cuda
 
-Every slot engine (``QwenEngine``) precomputes one attention mask per talker position at its
+Every slot engine (``SlotEngine``) precomputes one attention mask per talker position at its
 start, at every rebuild after a failure, and when a turn's padding changes. faster-qwen3-tts
 builds the table with one ``transformers`` ``create_causal_mask`` call per position;
 :func:`gateway.tts.qwen.build_mask_table` builds the same table in one vectorised step (and
@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 from faster_qwen3_tts.talker_graph import TalkerGraph
+from slot_engine import SlotEngine, build_mask_table
 
-from gateway.tts.qwen import QwenEngine, QwenModel, build_mask_table
+from gateway.tts.qwen import QwenModel
 from gateway.tts.tiny import build_tiny_checkpoint
 
 
@@ -47,7 +48,7 @@ def main() -> None:
         model = QwenModel(str(build_tiny_checkpoint(Path(tmp) / "tiny")), device=args.device)
         rows = []
         for size in (1024, 2048):
-            graph = QwenEngine(model, max_seq_len=size)._wrapper.talker_graph
+            graph = SlotEngine(model, max_seq_len=size)._wrapper.talker_graph
             graph._init_cache_layers()
             # A slot's first turn builds the table with the turn's padding mask (all ones when
             # nothing is padded); graph capture builds it without one.

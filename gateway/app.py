@@ -67,6 +67,7 @@ from gateway.metrics import Metrics
 from gateway.readiness import Readiness
 from gateway.sip.endpoint import SipEndpoint
 from gateway.speech import Speaker, Voice
+from gateway.text import Reader, Reading
 from gateway.tts.engine import Engine, VoicePrompt
 from gateway.tts.service import SpeechService
 from gateway.twilio.rest import CallUpdater
@@ -80,36 +81,33 @@ EngineFactory = Callable[[Settings], Sequence[Engine]]
 
 
 def default_engine_factory(settings: Settings) -> list[Engine]:
-    """The real engines: Qwen3-TTS loaded once with ``from_pretrained`` of ``settings.model``,
-    then one batched engine for the device (or, with ``engine=slots``, ``settings.slots``
-    slots over the shared weights)."""
+    """The real engine: Qwen3-TTS loaded once with ``from_pretrained`` of ``settings.model``,
+    and one batched engine for the device; or, with ``engine=simulated``, a simulated device
+    (chosen only explicitly)."""
+    if settings.engine == "simulated":
+        from gateway.tts.simulated import SimulatedEngine, load_profile
+
+        return [SimulatedEngine(load_profile(settings.device_profile),
+                                max_rows=settings.batch_rows,
+                                chunk_schedule=settings.chunk_schedule,
+                                adaptive_chunks=settings.adaptive_chunks,
+                                prefill_chunk=settings.prefill_chunk)]
     from gateway.tts.batched import BatchedQwenEngine
-    from gateway.tts.qwen import QwenEngine, QwenModel
+    from gateway.tts.qwen import QwenModel
 
     shared = QwenModel(settings.model, device=settings.device, dtype=settings.dtype)
-    if settings.engine == "batched":
-        return [
-            BatchedQwenEngine(
-                shared,
-                max_rows=settings.batch_rows,
-                max_seq_len=settings.max_seq_len,
-                chunk_schedule=settings.chunk_schedule,
-                codec_decode=settings.codec_decode,
-                trim_leading_silence=False,  # the phone path trims (gateway.audio.condition)
-                adaptive_chunks=settings.adaptive_chunks,
-                prefill_chunk=settings.prefill_chunk,
-            )
-        ]
     return [
-        QwenEngine(
+        BatchedQwenEngine(
             shared,
-            chunk_schedule=settings.chunk_schedule,
+            max_rows=settings.batch_rows,
             max_seq_len=settings.max_seq_len,
+            chunk_schedule=settings.chunk_schedule,
             codec_decode=settings.codec_decode,
             trim_leading_silence=False,  # the phone path trims (gateway.audio.condition)
             adaptive_chunks=settings.adaptive_chunks,
+            prefill_chunk=settings.prefill_chunk,
+            cuda_graphs={"auto": None, "on": True, "off": False}[settings.cuda_graphs],
         )
-        for _ in range(settings.slots)
     ]
 
 
@@ -376,10 +374,12 @@ def create_app(
         if gateway.plan is not None:
             gateway.webhooks = await asyncio.to_thread(webhook_client)
         loader = asyncio.create_task(_load(gateway, engine_factory))
+        lag = asyncio.create_task(_watch_loop_lag(metrics), name="loop-lag")
         try:
             yield
         finally:
             try:
+                lag.cancel()
                 if gateway.sip is not None:
                     await gateway.sip.stop()
                 loader.cancel()
@@ -434,6 +434,21 @@ def create_app(
     return app
 
 
+#: How often the event loop's lag is sampled.
+LOOP_LAG_PERIOD_S = 0.05
+
+
+async def _watch_loop_lag(metrics: Metrics, period_s: float = LOOP_LAG_PERIOD_S) -> None:
+    """Sample how late the event loop runs a callback due now: every call's media (pacing,
+    marks, RTP) waits that long behind whatever held the loop or the GIL (the engine core's
+    thread shares it). ``gateway_event_loop_lag_seconds``."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + period_s
+        await asyncio.sleep(period_s)
+        metrics.event_loop_lag.observe(max(0.0, loop.time() - due))
+
+
 async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
     """Load and warm the engine off the event loop, make the lines ready (or the greeter),
     install the dialogs, then report ready."""
@@ -472,7 +487,6 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
         ahead_high_s=settings.ahead_high_ms / 1000,
         ahead_low_s=settings.ahead_low_ms / 1000,
         step_timeout_s=settings.engine_step_timeout_ms / 1000 or None,
-        warmup_voices=warmup,
     )
     speech.start()
     gateway.speech = speech
@@ -491,7 +505,10 @@ async def _load(gateway: Gateway, engine_factory: EngineFactory) -> None:
         if gateway.switchboard is not None:
             gateway.dialogs.install(gateway.switchboard)
         else:
-            gateway.dialogs.install(GreeterDialogs(Speaker(speech, voices[0]), settings.greeting))
+            reader = Reader(voices[0].language, Reading(free_text=settings.free_text))
+            reader.warm([voices[0].language])
+            gateway.dialogs.install(GreeterDialogs(Speaker(speech, voices[0]), settings.greeting,
+                                                   reader))
     gateway.readiness.mark_ready(engines[0].name)
     log.info("ready: %s, %d turn(s) at once (load + warm-up %.1f s)", engines[0].name,
              speech.capacity, clock.now() - t0)

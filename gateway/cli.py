@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -21,6 +21,9 @@ from gateway.config import Settings
 from gateway.errors import GatewayError
 from gateway.loadsim.cli import loadsim_app
 from gateway.tts.model_source import require_model_source
+
+if TYPE_CHECKING:
+    from gateway.text import FreeTextMode
 
 app = typer.Typer(
     add_completion=False,
@@ -190,29 +193,46 @@ def say(
         str, typer.Option("--encoding", help="pcm (16-bit) or ulaw (G.711 mu-law) WAV.")
     ] = "pcm",
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+    free_text: Annotated[
+        str | None,
+        typer.Option("--free-text", help="What is read aloud: off, numbers or full "
+                                         "[GATEWAY_FREE_TEXT].")] = None,
+    text_only: Annotated[
+        bool, typer.Option("--text-only", help="Print the words it would say; no model.")
+    ] = False,
 ) -> None:
-    """Render TEXT through the phone-audio path into an 8 kHz WAV an author can listen to."""
+    """Render TEXT through the phone-audio path into an 8 kHz WAV an author can listen to.
+
+    TEXT is read as a caller would hear it (numbers, amounts, dates, times and phone numbers
+    in words, --free-text), and may mark a value with a say-as type as scripts do:
+    'Your balance is {"456.10":currency}.' The words spoken are printed first."""
+    settings = _settings(model=model, device=device, speaker=speaker, language=language,
+                         free_text=free_text)
+    spoken = _spoken(text, settings.language, settings.free_text)
+    typer.echo(f"says: {spoken}")
+    if text_only:
+        return
     import numpy as np
     import soundfile as sf
 
     from gateway.app import conditioning
     from gateway.audio.framer import PhonePipeline
     from gateway.audio.g711 import ulaw_decode
+    from gateway.tts.batched import BatchedQwenEngine
     from gateway.tts.engine import SpeechRequest
-    from gateway.tts.qwen import QwenEngine
 
     if encoding not in ("pcm", "ulaw"):
         raise GatewayError("--encoding must be pcm or ulaw")
-    settings = _settings(model=model, device=device, speaker=speaker, language=language)
     _setup_logging("warning")
     require_model_source(settings.model)
-    engine = QwenEngine(
-        model=settings.model, device=settings.device, dtype=settings.dtype,
+    # The gateway's own engine, one row: the audio a caller would hear for this text.
+    engine = BatchedQwenEngine(
+        model=settings.model, device=settings.device, dtype=settings.dtype, max_rows=1,
         chunk_schedule=settings.chunk_schedule, max_seq_len=settings.max_seq_len,
         codec_decode=settings.codec_decode, trim_leading_silence=False,
-        adaptive_chunks=settings.adaptive_chunks,
+        adaptive_chunks=settings.adaptive_chunks, cuda_graphs=False,
     )
-    request = SpeechRequest(text=text, speaker=settings.speaker, language=settings.language,
+    request = SpeechRequest(text=spoken, speaker=settings.speaker, language=settings.language,
                             instruct=settings.instruct, seed=seed)
     # The callers' own phone path: trim and level (gateway.audio.condition), 8 kHz, G.711.
     pipeline = PhonePipeline(codec="pcmu", conditioner=conditioning(settings).new())
@@ -330,6 +350,21 @@ def call(
                           max_duration_s=max_duration)
     if asyncio.run(place_call(options)) != 0:
         raise GatewayError("the call did not connect")
+
+
+def _spoken(text: str, language: str, free_text: FreeTextMode) -> str:
+    """What ``say`` speaks: TEXT's say-as slots read by type, the rest by the free-text
+    normaliser (TEXT with braces that are no slots is free text throughout)."""
+    from gateway.text import Reader, Reading
+
+    reader = Reader(language, Reading(free_text=free_text))
+    try:
+        rendering = reader.sentence(text, {}, language)
+    except ValueError:
+        return reader.free(text, language)
+    for fallback in rendering.fallbacks:
+        typer.echo(f"warning: {fallback}", err=True)
+    return rendering.spoken
 
 
 @model_app.command("tiny")
@@ -477,23 +512,38 @@ def prompts_graph(
 def prompts_test(
     file: Annotated[Path, typer.Argument(help="IVR script (YAML).")],
     cases: Annotated[Path, typer.Argument(help="Case file (YAML): callers and what they hear.")],
+    line: Annotated[
+        str | None,
+        typer.Option(help="FILE is a lines file: test this line's script, read with its "
+                          "reading and lexicon (default: the default line)."),
+    ] = None,
 ) -> None:
     """Run scripted callers through the IVR (no model): check path, sentences and outcome."""
     import asyncio
 
     from gateway.ivr.cases import load_cases, report, run_cases
+    from gateway.ivr.lines import is_lines_file, load_lines
     from gateway.ivr.script import ScriptError, load_script
 
     # The runner logs failed webhooks as warnings; here they are what a case is about.
     _setup_logging("error")
+    reader = None
     try:
-        script = load_script(file)
+        if line is not None or is_lines_file(file):
+            plan = load_lines(file)
+            chosen = plan.lines.get(line or plan.default)
+            if chosen is None:
+                raise GatewayError(f"{file} has no line {line!r} (lines: "
+                                   f"{', '.join(plan.lines)})")
+            script, reader = chosen.script, chosen.reader()
+        else:
+            script = load_script(file)
         case_file = load_cases(cases, script)
     except ScriptError as exc:
         for diagnostic in exc.diagnostics:
             typer.echo(f"{diagnostic}", err=True)
         raise GatewayError(f"cannot run {cases}: fix the errors above") from None
-    results = asyncio.run(run_cases(script, case_file))
+    results = asyncio.run(run_cases(script, case_file, reader))
     failed = report(results, str(cases), typer.echo)
     typer.echo(f"{len(results) - failed} passed, {failed} failed")
     if failed:
@@ -533,9 +583,9 @@ def prompts_render(
     if settings.cache_dir is None:
         raise GatewayError("rendering needs a cache directory (--cache-dir)")
     try:
-        # Each script once, however many lines or files name it.
-        scripts = list({script_path: script for path in files
-                        for script_path, script in load_plan(path).scripts().items()}.values())
+        # Each script once per way its lines read it, however many lines or files name it.
+        scripts = {(line.path, line.reader()): line.script for path in files
+                   for line in load_plan(path).lines.values()}
     except ScriptError as exc:
         raise GatewayError(f"invalid script:\n{exc}") from None
     require_model_source(settings.model)
@@ -550,11 +600,15 @@ def prompts_render(
     cache = PromptCache(settings.cache_dir, max_memory_bytes=1)
     todo = []
     hits = 0
-    for script in scripts:
+    seen: set[PromptKey] = set()
+    for (_, reader), script in scripts.items():
         voice = resolve_voice(script, settings.voices_dir)
         clones = resolve_clones(script, settings.voices_dir)
-        for text, spec, resolved in renders(script, voice, clones):
+        for text, spec, resolved in renders(script, voice, clones, reader):
             key = prompt_key_for(spec, fingerprint, resolved.identity, text, audio)
+            if key in seen:
+                continue
+            seen.add(key)
             if cache.on_disk(key):
                 hits += 1
             else:

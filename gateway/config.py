@@ -37,6 +37,13 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the model runs; auto picks CUDA when a GPU exists."
     )
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Graph mode of the batched engine: every step shape captured at warm-up "
+        "and replayed. auto: on with CUDA. on with a CPU device runs the CUDA-graph capture "
+        "stand-in (tests and dry runs of the GPU path; slower than eager, logged and shown in "
+        "/readyz). off: eager steps.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Model dtype; auto = bfloat16 on CUDA, float32 on CPU."
     )
@@ -44,11 +51,20 @@ class Settings(BaseSettings):
         "1,2,4,8",
         description="Codec frames (80 ms each) per streamed chunk; the last entry repeats.",
     )
-    engine: Literal["batched", "slots"] = Field(
+    engine: Literal["batched", "simulated"] = Field(
         "batched",
-        description="batched: one stepping loop per device advances every live turn in one "
-        "batched step (the default); slots: GATEWAY_SLOTS independent batch-1 engines (the "
-        "baseline bench/batching.py compares against).",
+        description="batched: one engine core per device advances every live turn in one "
+        "batched step. simulated: the same core over a simulated device whose calls take the "
+        "times GATEWAY_DEVICE_PROFILE gives and whose audio is synthetic (capacity planning "
+        "and tests; never a fallback, named SIMULATED in /readyz and the logs). The slot "
+        "engine the batched one replaced is bench/slot_engine.py, the batching benchmark's "
+        "baseline.",
+    )
+    device_profile: str = Field(
+        "h200-0.6b-anchors",
+        description="With GATEWAY_ENGINE=simulated: a built-in device profile "
+        "(gateway/tts/profiles/) or a profile JSON file, e.g. one bench/gpu_batching.sh wrote "
+        "on a real GPU.",
     )
     batch_rows: int | None = Field(
         None, ge=1, le=256,
@@ -61,11 +77,6 @@ class Settings(BaseSettings):
         description="Prompt tokens per prefill chunk run between batched steps (0: whole "
         "prompts). Smaller chunks bound how long a newcomer's prefill can hold the running "
         "turns back on a slow device.",
-    )
-    slots: int = Field(
-        1, ge=1, le=64,
-        description="With GATEWAY_ENGINE=slots: engine slots per GPU, each generating one turn "
-        "at a time with its own KV cache and CUDA graphs over shared weights.",
     )
     adaptive_chunks: bool = Field(
         True,
@@ -243,6 +254,12 @@ class Settings(BaseSettings):
         "Thank you for calling. This line is powered by Qwen text to speech. "
         "Press any key on your phone and I will read it back to you.",
         description="What the caller hears on answer.",
+    )
+    free_text: Literal["off", "numbers", "full"] = Field(
+        "full",
+        description="What the greeter (no script) has read aloud in its sentences: off, "
+        "numbers (numbers and ordinals in words), or full (also amounts, dates, times and "
+        "phone numbers); scripts set theirs with 'reading: {free_text: ...}'.",
     )
     max_message_bytes: int = Field(
         64 * 1024, ge=1024, description="Largest accepted Media Streams message."

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 
 from gateway.call.events import Dtmf, Hangup, SpeechFailed
-from gateway.call.session import Call, Dialog
+from gateway.call.session import Call, Dialog, Utterance
 from gateway.speech import Speaker
+from gateway.text import Reader
 
 log = logging.getLogger(__name__)
 
@@ -22,17 +23,27 @@ APOLOGY = "Sorry, something went wrong on our side. Please press a key to try ag
 
 
 def digit_sentence(digit: str) -> str:
-    """The sentence spoken for ``digit``: it contains the key itself (``"You pressed 5."``)."""
+    """The sentence for ``digit``: it contains the key itself (``"You pressed 5."``; the
+    greeter's free-text normaliser has the engine say "You pressed five.")."""
     word = _KEY_WORDS.get(digit)
     return f"You pressed {word}, the {digit} key." if word else f"You pressed {digit}."
 
 
-async def greeter(call: Call, speaker: Speaker, greeting: str) -> None:
+async def greeter(call: Call, speaker: Speaker, greeting: str,
+                  reader: Reader | None = None) -> None:
     """Speak ``greeting``; on each DTMF digit barge in and speak a sentence with the digit.
 
     If an utterance fails inside the engine, apologise once (not for a failed apology).
+    ``reader``: every sentence goes through its free-text normaliser first ("You pressed 5."
+    is said "You pressed five."); None: as written.
     """
-    speaker.say(call, greeting, turn_started_at=call.answered_at)
+    language = speaker.voice.language
+
+    def say(text: str, at: float | None) -> Utterance:
+        words = reader.free(text, language) if reader is not None else text
+        return speaker.say(call, words, turn_started_at=at)
+
+    say(greeting, call.answered_at)
     apologies: set[str] = set()
     while True:
         event = await call.events.get()
@@ -40,23 +51,24 @@ async def greeter(call: Call, speaker: Speaker, greeting: str) -> None:
             return
         if isinstance(event, SpeechFailed):
             if event.utterance_id not in apologies and not call.speaking:
-                apologies.add(speaker.say(call, APOLOGY, turn_started_at=event.at).id)
+                apologies.add(say(APOLOGY, event.at).id)
             continue
         if isinstance(event, Dtmf):
             if call.speaking:
                 await call.barge_in()
-            speaker.say(call, digit_sentence(event.digit), turn_started_at=event.at)
+            say(digit_sentence(event.digit), event.at)
 
 
 class GreeterDialogs:
     """The :class:`~gateway.call.lifecycle.DialogFactory` of a gateway without a script."""
 
-    def __init__(self, speaker: Speaker, greeting: str) -> None:
+    def __init__(self, speaker: Speaker, greeting: str, reader: Reader | None = None) -> None:
         self.speaker = speaker
         self.greeting = greeting
+        self.reader = reader
 
     def for_call(self, call: Call) -> Dialog:
         return self._run
 
     async def _run(self, call: Call) -> None:
-        await greeter(call, self.speaker, self.greeting)
+        await greeter(call, self.speaker, self.greeting, self.reader)

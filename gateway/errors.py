@@ -17,6 +17,9 @@ or protocol error maps to exactly one protocol outcome, so the I/O shells never 
         - :class:`RecognizerUnavailable`: no recogniser can take the turn (not started, closed,
           or its worker process died and is being replaced).
         - :class:`RecognizerTimeout`: the recogniser did not answer within the turn's deadline.
+    - :class:`TextError`: a value that cannot be read as its say-as type (a backend answering
+      "N/A" for a date). Never fails an utterance: the sentence reads the value as written, and
+      the call logs it once (:mod:`gateway.text`).
     - :class:`CallProtocolError`: a transport message that cannot be accepted. It closes *only
       the call it arrived on* with :attr:`CallProtocolError.close_code` and a logged reason.
         - :class:`MessageTooLarge`: over the size limit (WebSocket close 1009).
@@ -70,6 +73,10 @@ class RecognizerUnavailable(RecognizerError):
 
 class RecognizerTimeout(RecognizerError):
     """The recogniser did not answer within the turn's deadline."""
+
+
+class TextError(GatewayError):
+    """A value that cannot be read as its say-as type; it is read as written instead."""
 
 
 class CallProtocolError(GatewayError):

@@ -148,6 +148,21 @@ class Metrics:
             buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1, 2, 5),
             registry=r,
         )
+        self.event_loop_lag = Histogram(
+            "gateway_event_loop_lag_seconds",
+            "How late the event loop ran a callback that was due (sampled every 50 ms): what "
+            "every call's pacing waits behind the loop's other work and the GIL.",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1),
+            registry=r,
+        )
+        self.tts_step_host_seconds = Histogram(
+            "gateway_tts_step_host_seconds",
+            "Host time of one engine-core iteration that ran a step: everything but the device "
+            "(scheduling, staging, bookkeeping, handing audio to the calls). It bounds how many "
+            "steps a second the host can feed a fast device.",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2),
+            registry=r,
+        )
         self.tts_prefill_seconds = Histogram(
             "gateway_tts_prefill_seconds", "Wall time of one prefill chunk run between steps.",
             buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 5),

@@ -142,11 +142,12 @@ def tiny_base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
-    """The real QwenEngine over the tiny checkpoint, on CPU."""
-    from gateway.tts.qwen import QwenEngine
+    """The gateway's engine (batched) over the tiny checkpoint, on CPU, warmed up."""
+    from gateway.tts.batched import BatchedQwenEngine
 
     # Recording codes: tests compare what was generated with what was decoded.
-    engine = QwenEngine(model=str(tiny_model_dir), device="cpu", record_codes=True)
+    engine = BatchedQwenEngine(model=str(tiny_model_dir), device="cpu", max_rows=4,
+                               record_codes=True)
     engine.warmup()
     return engine
 

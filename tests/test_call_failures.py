@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import textwrap
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,8 +27,8 @@ from conftest import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
 from twilio.request_validator import RequestValidator
 from twilio_client import FakeTwilioCall
 
-from gateway.tts.engine import SpeechRequest
-from gateway.tts.qwen import QwenEngine
+from gateway.tts.batched import BatchedQwenEngine
+from gateway.tts.engine import EngineRow
 
 BALANCE = "your balance is ready"
 SORRY = "something went wrong"
@@ -55,26 +55,16 @@ SCRIPT = textwrap.dedent(
 )
 
 
-class BuggyEngine(QwenEngine):
-    """A real tiny-model slot that hands out 2-D chunks for sentences containing ``broken``."""
+class BuggyEngine(BatchedQwenEngine):
+    """The real tiny-model engine, handing out 2-D chunks for sentences containing ``broken``."""
 
     broken: ClassVar[set[str]] = set()
 
-    def stream(
-        self, request: SpeechRequest, should_stop: Callable[[], bool] | None = None
-    ) -> Generator[np.ndarray, None, None]:
-        inner = super().stream(request, should_stop)
-        if not any(text in request.text for text in self.broken):
-            return inner
-
-        def two_d() -> Generator[np.ndarray, None, None]:
-            try:
-                for chunk in inner:
-                    yield chunk[None, :]
-            finally:
-                inner.close()
-
-        return two_d()
+    def next_chunks(self, rows: Sequence[EngineRow]) -> list[np.ndarray | None]:
+        chunks = super().next_chunks(rows)
+        return [audio[None, :] if audio is not None and any(
+                    part in row.request.text for part in self.broken)  # type: ignore[attr-defined]
+                else audio for row, audio in zip(rows, chunks, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +74,12 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     script = folder / "failures.yaml"
     script.write_text(SCRIPT)
 
-    def factory(settings: Any) -> list[QwenEngine]:
-        return [BuggyEngine(str(tiny_model_dir), device="cpu")]
+    def factory(settings: Any) -> list[BatchedQwenEngine]:
+        return [BuggyEngine(str(tiny_model_dir), device="cpu", max_rows=4,
+                            trim_leading_silence=False)]
 
     with serve_virtual({"model": str(tiny_model_dir), "script": str(script),
-                        "cache_dir": str(folder / "cache"), "engine": "slots"},
+                        "cache_dir": str(folder / "cache")},
                        factory) as server:
         yield server
 

@@ -561,7 +561,37 @@ def context() -> set[str]:
     return build_context(REPO, dockerignore_patterns(DOCKERIGNORE.read_text()))
 
 
+def check_cuda_variant(df: Dockerfile) -> list[str]:
+    """The base image's CUDA, the torch wheels' CUDA and the driver the image's label states
+    agree: PyPI's torch wheels are CUDA 13 builds; a PyTorch index names its variant (cu126);
+    the driver is NVIDIA's minimum for that CUDA major (gateway.tts.device.MIN_DRIVER)."""
+    from gateway.tts.device import MIN_DRIVER
+
+    args = df.global_args
+    base = df.stages[0].base
+    found = re.search(r"nvidia/cuda:(\d+)\.", base)
+    if found is None:
+        return [f"the base image {base} is not an nvidia/cuda image"]
+    base_major = int(found.group(1))
+    index = args.get("TORCH_INDEX_URL", "")
+    variant = re.search(r"/cu(\d+?)(\d)$", index.rstrip("/"))
+    wheel_major = int(variant.group(1)) if variant else (13 if not index else None)
+    problems = []
+    if wheel_major != base_major:
+        problems.append(f"torch wheels from {index or 'PyPI'} are CUDA {wheel_major} builds, the "
+                        f"base image {base} is CUDA {base_major}")
+    driver = args.get("CUDA_DRIVER_MIN", "")
+    if driver != str(MIN_DRIVER.get(base_major)):
+        problems.append(f"CUDA_DRIVER_MIN={driver}, but CUDA {base_major} builds need driver "
+                        f">= {MIN_DRIVER.get(base_major)}")
+    label = df.final.last("LABEL")
+    if label is None or "cuda-driver-min=\"$CUDA_DRIVER_MIN\"" not in label.value:
+        problems.append("the runtime image does not label the driver it needs")
+    return problems
+
+
 CHECKS: dict[str, Check] = {
+    "cuda_variant": check_cuda_variant,
     "pinned_bases": check_pinned_bases,
     "runtime_user": check_runtime_user,
     "healthcheck": check_healthcheck,
@@ -599,6 +629,18 @@ def V(check: str, id: str, old: str, new: str, expected: str) -> Variant:
 BASE = "nvidia/cuda:13.0.2-base-ubuntu24.04"
 USER = "USER 10001:10001\n"
 VARIANTS = [
+    V("cuda_variant", "cuda12_base_pypi_wheels", BASE, "nvidia/cuda:12.6.3-base-ubuntu24.04",
+      "CUDA 13 builds, the base image"),
+    Variant("cuda_variant", "cuda12_driver_580",
+            ((BASE, "nvidia/cuda:12.6.3-base-ubuntu24.04"),
+             ("ARG TORCH_INDEX_URL=\n",
+              "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126\n")),
+            "CUDA 12 builds need driver >= 525"),
+    V("cuda_variant", "driver_too_low", "ARG CUDA_DRIVER_MIN=580", "ARG CUDA_DRIVER_MIN=550",
+      "need driver >= 580"),
+    V("cuda_variant", "unlabelled",
+      ' \\\n      io.qwen3-tts-ivr-gateway.cuda-driver-min="$CUDA_DRIVER_MIN"', "",
+      "does not label"),
     V("pinned_bases", "latest", BASE, "nvidia/cuda:latest", "not an exact version"),
     V("pinned_bases", "untagged", BASE, "nvidia/cuda", "no tag"),
     V("pinned_bases", "minor_only", BASE, "nvidia/cuda:13.0-base-ubuntu24.04",
@@ -653,7 +695,7 @@ VARIANTS = [
     V("torch_pair", "drifted", "torch==2.14.1 torchaudio==2.11.1",
       "torch==2.13.0 torchaudio==2.11.1", "TORCH_PAIR is"),
     Variant("torch_pair", "not_installed",
-            (("RUN pip install --no-cache-dir $TORCH_PAIR", "RUN echo $TORCH_PAIR"),
+            (("RUN pip install --no-cache-dir ${TORCH_INDEX_URL", "RUN echo ${TORCH_INDEX_URL"),
              ("requirements.txt $TORCH_PAIR", "requirements.txt")), "no RUN pip-installs"),
     V("python_and_packages", "buffered", "PYTHONUNBUFFERED=1", "PYTHONUNBUFFERED=0",
       "PYTHONUNBUFFERED"),
@@ -664,7 +706,7 @@ VARIANTS = [
       "sox is not installed"),
     Variant("python_and_packages", "pip_cache",
             (("PIP_NO_CACHE_DIR=1", "PIP_NO_CACHE_DIR=0"),
-             ("pip install --no-cache-dir $TORCH_PAIR", "pip install $TORCH_PAIR")),
+             ("pip install --no-cache-dir ${TORCH_INDEX_URL", "pip install ${TORCH_INDEX_URL")),
             "keeps its cache"),
     V("settings_and_ports", "typo", "GATEWAY_CACHE_DIR=", "GATEWAY_CACHEDIR=", "no setting"),
     V("settings_and_ports", "no_rtp", "5060/udp 20000-20999/udp", "5060/udp",

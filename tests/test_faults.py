@@ -5,13 +5,13 @@ CPU, prompts/demo.yaml from a pre-rendered cache, the company's backend on its o
 caller's experience is checked over a real Twilio socket:
 
 - the engine raising mid-sentence, or hanging inside a step: the caller hears the script's error
-  prompt (``sorry``, from the cache) and is transferred; the other slot keeps serving;
+  prompt (``sorry``, from the cache) and is transferred; the other engine keeps serving;
 - the backend refusing connections, or answering after the webhook's timeout: the webhook's
   ``on_error`` node;
 - the prompt cache directory turning unwritable mid-run: calls go on from memory and the write
   error alarm rises;
 - a caller that vanishes without a WebSocket close (TCP RST, FIN) or goes silent on a half-open
-  socket: the call is reaped, its generation cancelled and its slot freed, each timed.
+  socket: the call is reaped, its generation cancelled and its row freed, each timed.
 
 Faults are injected by wrapping the real engine (it raises, blocks on an event, or is asked for a
 long sentence), by stopping or slowing the real backend server, by swapping the cache directory
@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -45,15 +45,16 @@ from twilio_client import FakeTwilioCall
 
 from gateway.call import Call, Utterance
 from gateway.errors import EngineError
-from gateway.tts.engine import SAMPLES_PER_FRAME, SpeechRequest
-from gateway.tts.qwen import QwenEngine, QwenModel
+from gateway.tts.batched import BatchedQwenEngine
+from gateway.tts.engine import SAMPLES_PER_FRAME, EngineRow, SpeechRequest
+from gateway.tts.qwen import QwenModel
 from gateway.tts.service import SpeechService, SpeechStream
 
 # Real time by nature: the speech service's watchdog, a real backend and real engine steps.
 pytestmark = pytest.mark.slow
 
 SORRY = "Sorry, something went wrong on our side."
-BALANCE = "Your balance is"
+BALANCE = "Your balance on account"
 
 # --- fault injection --------------------------------------------------------------------------
 
@@ -62,10 +63,11 @@ BALANCE = "Your balance is"
 class FaultPlan:
     """What the next turn whose text contains ``match`` does wrong (each plan fires once).
 
-    ``raise_after``: raise after that many chunks. ``block_after``: after that many chunks, hang
-    inside the step until ``release`` is set (0: before the first chunk, i.e. in the prefill
-    step). ``long_frames``: generate exactly that many codec frames (a long sentence, so a test can
-    act while it is still generating). ``chunk_delay_s``: a slow but healthy device.
+    ``raise_after``: the step after that many chunks raises (a CUDA error). ``block_after``:
+    after that many chunks, hang inside the step until ``release`` is set (0: before the first
+    chunk, i.e. in the prefill). ``long_frames``: generate exactly that many codec frames (a
+    long sentence, so a test can act while it is still generating). ``chunk_delay_s``: a slow
+    but healthy device.
     """
 
     match: str = ""
@@ -85,49 +87,68 @@ class FaultPlan:
         return True
 
 
-class FaultyEngine(QwenEngine):
-    """A real engine slot (tiny model) that misbehaves as its :class:`FaultPlan` says."""
+class FaultyEngine(BatchedQwenEngine):
+    """The real batched engine (tiny model) that misbehaves as its :class:`FaultPlan` says, on
+    the row of the turn the plan matches: a step that raises (a CUDA error) or hangs once that
+    row has delivered so many chunks (0: its prefill hangs), a row asked for a long sentence,
+    a slow device (each of its chunks late)."""
 
     def __init__(self, model: QwenModel, plan: FaultPlan) -> None:
-        super().__init__(model, trim_leading_silence=False)
+        super().__init__(model, max_rows=4, trim_leading_silence=False)
         self.plan = plan
         self.rebuilds = 0
+        #: The matched row and the chunks it has delivered.
+        self._faulty: Any = None
+        self._chunks = 0
 
-    def stream(
-        self, request: SpeechRequest, should_stop: Callable[[], bool] | None = None
-    ) -> Generator[np.ndarray, None, None]:
+    def open(self, request: SpeechRequest) -> EngineRow:
         plan = self.plan
-        if not plan.take(request.text):
-            return super().stream(request, should_stop)
-        if plan.long_frames is not None:
+        matched = plan.take(request.text)
+        if matched and plan.long_frames is not None:
             request = replace(request, min_frames=plan.long_frames, max_frames=plan.long_frames)
-        inner = super().stream(request, should_stop)
+        row = super().open(request)
+        if matched:
+            self._faulty, self._chunks = row, 0
+        return row
 
-        def misbehave() -> Generator[np.ndarray, None, None]:
-            try:
-                index = 0
-                while True:
-                    if index == plan.block_after:
-                        plan.blocked.set()
-                        # A step that hangs (bounded, so a broken test cannot hang the suite).
-                        plan.release.wait(60)
-                    chunk = next(inner, None)
-                    if chunk is None:
-                        return
-                    if index == plan.raise_after:
-                        raise RuntimeError("injected engine failure")
-                    if plan.chunk_delay_s:
-                        time.sleep(plan.chunk_delay_s)
-                    yield chunk
-                    index += 1
-            finally:
-                inner.close()
+    def _hang_here(self, at: int) -> None:
+        plan = self.plan
+        if plan.block_after == at and not plan.blocked.is_set():
+            plan.blocked.set()
+            # Hangs inside the engine call (bounded, so a broken test cannot hang the suite).
+            plan.release.wait(60)
 
-        return misbehave()
+    def prefill(self, row: EngineRow) -> int:
+        if row is self._faulty:
+            self._hang_here(0)
+        return super().prefill(row)
+
+    def prefill_rows(self, rows: Sequence[EngineRow]) -> int:
+        if any(row is self._faulty for row in rows):
+            self._hang_here(0)
+        return super().prefill_rows(rows)
+
+    def step(self, rows: Sequence[EngineRow]) -> int:
+        if any(row is self._faulty for row in rows) and self._chunks:
+            self._hang_here(self._chunks)
+            if self.plan.raise_after == self._chunks:
+                self.plan.raise_after = None  # once
+                raise RuntimeError("injected engine failure")
+        return super().step(rows)
+
+    def next_chunks(self, rows: Sequence[EngineRow]) -> list[np.ndarray | None]:
+        chunks = super().next_chunks(rows)
+        for row, audio in zip(rows, chunks, strict=True):
+            if audio is not None and row is self._faulty:
+                self._chunks += 1
+                if self.plan.chunk_delay_s:
+                    time.sleep(self.plan.chunk_delay_s)
+        return chunks
 
     def rebuild(self) -> None:
         super().rebuild()
-        self.rebuilds += 1  # counted once the slot is rebuilt
+        self._faulty = None
+        self.rebuilds += 1  # counted once the engine is rebuilt
 
 
 class Backend:
@@ -193,7 +214,7 @@ class Rig:
     backend: Backend
 
     def arm(self, **kwargs: Any) -> FaultPlan:
-        """A fresh plan for the next turn, shared by every slot."""
+        """A fresh plan for the next turn, shared by every engine."""
         plan = FaultPlan(**kwargs)
         for engine in self.engines:
             engine.plan = plan
@@ -209,7 +230,7 @@ IDLE_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def rig(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[Rig]:
-    """The demo IVR on two engine slots that misbehave on demand."""
+    """The demo IVR on two engines that misbehave on demand."""
     backend = Backend()
     backend.up()
     plan = FaultPlan()
@@ -217,7 +238,8 @@ def rig(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[Rig]:
 
     def factory(settings: Any) -> list[FaultyEngine]:
         shared = QwenModel(str(settings.model), device="cpu")
-        engines.extend(FaultyEngine(shared, plan) for _ in range(settings.slots))
+        # Two engines (two cores, as on two devices): one can hang while the other serves.
+        engines.extend(FaultyEngine(shared, plan) for _ in range(2))
         return engines
 
     with pytest.MonkeyPatch.context() as patch:
@@ -227,7 +249,6 @@ def rig(tiny_model_dir: Path, demo_cache_dir: Path) -> Iterator[Rig]:
                 "model": str(tiny_model_dir),
                 "script": str(DEMO_SCRIPT),
                 "cache_dir": str(demo_cache_dir),
-                "slots": 2,
                 "engine_step_timeout_ms": int(STEP_TIMEOUT_S * 1000),
                 "twilio_idle_timeout_s": IDLE_TIMEOUT_S,
                 # Pacing is not under test here: send prompts at once, the client plays them
@@ -352,8 +373,8 @@ async def test_an_engine_failure_mid_sentence_plays_the_error_prompt_from_the_ca
         # Two chunks had gone out: the partial sentence was cleared at the caller.
         assert balance.frames_sent > 0 and call.events("clear")
     assert speech.stats.failed == failed + 1
-    # Back in service once rebuilt and warm. The next call waits for that: a slot warming up
-    # on this 2-core machine starves the other slot's steps past the 3 s watchdog.
+    # Back in service once rebuilt (every turn that shared the failed step was failed or
+    # started over): the next call waits for that.
     await _wait(lambda: speech.stats.recovered == recovered + 1, 20, "recovery")
     assert sum(e.rebuilds for e in rig.engines) == rebuilds + 1
     assert speech.healthy_slots == 2
@@ -364,7 +385,7 @@ async def test_an_engine_failure_mid_sentence_plays_the_error_prompt_from_the_ca
 
 
 @pytest.mark.parametrize("block_after", [0, 2], ids=["first-step", "mid-sentence"])
-async def test_a_stuck_engine_step_fails_the_turn_and_the_other_slot_keeps_serving(
+async def test_a_stuck_engine_step_fails_the_turn_and_the_other_engine_keeps_serving(
     rig: Rig, block_after: int
 ) -> None:
     live = rig.live
@@ -375,7 +396,7 @@ async def test_a_stuck_engine_step_fails_the_turn_and_the_other_slot_keeps_servi
             await _to_account_lookup(live, stuck)
             assert await asyncio.to_thread(plan.blocked.wait, 60), "the step never hung"
             blocked_at = time.monotonic()
-            # While one slot hangs, another caller's live sentence is served by the other.
+            # While one engine hangs, another caller's live sentence is served by the other.
             other = _new_call(live)
             await other.connect()
             await _to_account_lookup(live, other)
@@ -393,15 +414,15 @@ async def test_a_stuck_engine_step_fails_the_turn_and_the_other_slot_keeps_servi
             assert speech.healthy_slots == 1
             assert _metric(live, "gateway_tts_slots_healthy") == 1.0
             assert _metric(live, "gateway_tts_stuck_steps_total") >= 1.0
-            # A third caller is still served, by the healthy slot.
+            # A third caller is still served, by the healthy engine.
             async with _new_call(live) as third:
                 await _to_account_lookup(live, third)
                 await _heard(live, third, BALANCE)
             await other.close()
     finally:
         plan.release.set()
-    # The hung step returns: the slot is rebuilt and back in service.
-    await _wait(lambda: speech.healthy_slots == 2, 20, "slot back in service")
+    # The hung step returns: the engine is rebuilt and back in service.
+    await _wait(lambda: speech.healthy_slots == 2, 20, "engine back in service")
     assert _metric(live, "gateway_tts_slots_healthy") == 2.0
 
 
@@ -590,14 +611,14 @@ Made = tuple[SpeechService, FaultPlan]
 
 @pytest.fixture
 def service(shared_model: QwenModel) -> Iterator[Callable[..., Made]]:
-    """A started SpeechService over misbehaving slots (stopped, and released, afterwards)."""
+    """A started SpeechService over misbehaving engines (stopped, and released, afterwards)."""
     made: list[Made] = []
 
-    def make(slots: int, step_timeout_s: float | None, **plan: Any) -> Made:
+    def make(engines_n: int, step_timeout_s: float | None, **plan: Any) -> Made:
         fault = FaultPlan(**plan)
-        engines = [FaultyEngine(shared_model, fault) for _ in range(slots)]
+        engines = [FaultyEngine(shared_model, fault) for _ in range(engines_n)]
         for engine in engines:
-            engine.warmup()  # as the gateway does: a cold slot's first step is slow on a CPU
+            engine.warmup()  # as the gateway does: a cold engine's first step is slow on a CPU
         speech = SpeechService(engines, step_timeout_s=step_timeout_s)
         speech.start()
         made.append((speech, fault))
@@ -613,7 +634,7 @@ async def _drain(stream: SpeechStream) -> int:
     return sum([len(chunk) async for chunk in stream])
 
 
-async def test_with_every_slot_stuck_queued_and_new_turns_fail_at_once(
+async def test_with_every_engine_stuck_queued_and_new_turns_fail_at_once(
     service: Callable[..., Made],
 ) -> None:
     speech, plan = service(1, 1.0, match="Stuck.", block_after=1)
@@ -632,7 +653,7 @@ async def test_with_every_slot_stuck_queued_and_new_turns_fail_at_once(
     plan.release.set()
     # Back once its step returned, it is rebuilt and warm: a liveness bound, not a latency
     # figure (5 s on a quiet box; over 20 s with other jobs on the two cores).
-    await _wait(lambda: speech.healthy_slots == 1, 60, "slot back")
+    await _wait(lambda: speech.healthy_slots == 1, 60, "engine back")
     fresh = speech.stream(SpeechRequest(text="Served again.", seed=1, max_frames=6, min_frames=6))
     assert await _drain(fresh) == 6 * SAMPLES_PER_FRAME
     assert speech.engines[0].rebuilds == 1  # type: ignore[attr-defined]

@@ -37,7 +37,7 @@ from gateway.ivr.prompts import audio_identity, resolve_voice
 from gateway.ivr.runner import MAX_WEBHOOK_BYTES, IvrRunner, RunnerContext
 from gateway.ivr.script import MAX_VALUE_CHARS, Script, ScriptError, parse_script
 from gateway.speech import Speaker, Voice
-from gateway.tts.qwen import QwenEngine
+from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.service import SpeechService
 
 HEAD = "name: t\nvoice: {speaker: ryan, language: English}\n"
@@ -154,14 +154,14 @@ class MemoryTransport:
 
 
 @pytest.fixture
-async def speech(tiny_engine: QwenEngine) -> AsyncIterator[SpeechService]:
+async def speech(tiny_engine: BatchedQwenEngine) -> AsyncIterator[SpeechService]:
     service = SpeechService([tiny_engine])
     service.start()
     yield service
     service.stop()
 
 
-def _runner(script: Script, speech: SpeechService, engine: QwenEngine,
+def _runner(script: Script, speech: SpeechService, engine: BatchedQwenEngine,
             variables: dict[str, str] | None = None) -> tuple[IvrRunner, MemoryTransport]:
     voice = resolve_voice(script)
     transport = MemoryTransport()
@@ -246,7 +246,7 @@ def _webhook_script(url: str) -> Script:
 
 @pytest.mark.parametrize("mode", ["trickle", "huge", "chunked", "nesting bomb"])
 async def test_a_hostile_backend_fails_the_webhook_in_time_and_bounded(
-    speech: SpeechService, tiny_engine: QwenEngine, mode: str
+    speech: SpeechService, tiny_engine: BatchedQwenEngine, mode: str
 ) -> None:
     async with hostile_backend(mode) as (url, stats):
         runner, transport = _runner(_webhook_script(url), speech, tiny_engine)
@@ -269,7 +269,7 @@ async def test_a_hostile_backend_fails_the_webhook_in_time_and_bounded(
 
 
 async def test_a_node_cycle_without_input_ends_after_max_steps(
-    speech: SpeechService, tiny_engine: QwenEngine
+    speech: SpeechService, tiny_engine: BatchedQwenEngine
 ) -> None:
     script = parse_script(HEAD + "start: a\nnodes:\n  a: {next: b}\n  b: {next: a}\n")
     runner, transport = _runner(script, speech, tiny_engine)
@@ -299,7 +299,7 @@ async def _first_utterance(runner: IvrRunner) -> str:
 
 
 async def test_a_huge_caller_id_from_the_transport_is_cut_to_plain_text(
-    speech: SpeechService, tiny_engine: QwenEngine
+    speech: SpeechService, tiny_engine: BatchedQwenEngine
 ) -> None:
     script = parse_script(HEAD + "start: a\nnodes:\n  a:\n    say: 'You are calling from {caller}.'"
                           "\n    hangup: true\n")
@@ -310,7 +310,7 @@ async def test_a_huge_caller_id_from_the_transport_is_cut_to_plain_text(
 
 
 async def test_backend_values_with_dunder_names_and_format_strings_stay_plain_text(
-    speech: SpeechService, tiny_engine: QwenEngine
+    speech: SpeechService, tiny_engine: BatchedQwenEngine
 ) -> None:
     answer = {"__class__": "{0.__init__.__globals__}", "name": "N" * 5_000,
               "deep": [[[[1]]]], "1bad": "x", "a b": "y", "__init__": {"x": 1}}

@@ -21,9 +21,9 @@ DEMO_CASES = ROOT / "prompts" / "demo.cases.yaml"
 def test_the_demo_cases_pass(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["prompts", "test", str(DEMO), str(DEMO_CASES)]) == 0
     out = capsys.readouterr().out
-    assert "11 passed, 0 failed" in out
+    assert "13 passed, 0 failed" in out
     assert "PASS en español, the same lookup with translated prompts" in out
-    assert "demo.cases.yaml:26:5: PASS an overdue account goes to collections" in out
+    assert "demo.cases.yaml:65:5: PASS an overdue account goes to collections" in out
 
 
 def test_the_outage_lines_cases_pass(capsys: pytest.CaptureFixture[str]) -> None:

@@ -130,8 +130,10 @@ async def _account_lookup_then_transfer(ivr: tuple[VirtualServer, list[Any]]) ->
         n = len(_utterances(live, call))
         for digit in "123456#":
             await call.send_dtmf(digit)
-        balance = await _heard(live, call, "Your balance is", after=n)
-        assert balance.text == "Thanks, Dana. Your balance is 456.10 dollars, due on March 3."
+        balance = await _heard(live, call, "Your balance on account", after=n)
+        assert balance.text == ("Thanks, Dana. Your balance on account one two three four five "
+                                "six is four hundred and fifty-six dollars, ten cents, due on "
+                                "March third.")
         assert not balance.cached  # live, through the scheduler
         assert seen[-1]["variables"] == {"account_number": "123456", "caller": "+15550001111"}
         await _heard(live, call, "press 3", after=n)
@@ -162,7 +164,7 @@ async def _no_input_retries_then_goodbye(live: VirtualServer) -> None:
         await call.send_dtmf("1")
         await _heard(live, call, "six digit account number", after=n)
         await call.send_dtmf("9")  # a partial number, then silence: inter-digit timeout
-        await _heard(live, call, "Your balance is", timeout=30)
+        await _heard(live, call, "Your balance on account", timeout=30)
         await _heard(live, call, "press 3")
         await call.send_dtmf("3")
         await _heard(live, call, "Goodbye.")

@@ -36,8 +36,8 @@ from gateway.ivr.prompts import ResolvedVoice, audio_identity, render_missing, r
 from gateway.ivr.runner import IvrRunner, RunnerContext
 from gateway.ivr.script import Script, load_script, parse_script
 from gateway.speech import Speaker, Voice
+from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.engine import Engine, SpeechRequest
-from gateway.tts.qwen import QwenEngine
 from gateway.tts.service import SpeechService
 
 DEMO = Path(__file__).resolve().parent.parent / "prompts" / "demo.yaml"
@@ -97,8 +97,8 @@ class MemoryTransport:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path) -> QwenEngine:
-    engine = QwenEngine(str(tiny_model_dir), device="cpu")
+def engine(tiny_model_dir: Path) -> BatchedQwenEngine:
+    engine = BatchedQwenEngine(str(tiny_model_dir), device="cpu", max_rows=4)
     engine.warmup()
     return engine
 
@@ -258,8 +258,11 @@ async def test_menu_account_lookup_and_goodbye(
         }
     ]
     live = [u for u in h.call.utterances if not u.cached]
+    # The engine gets the words: the account read back digit by digit, the balance as money,
+    # the due date as a date (prompts/demo.yaml's say-as types).
     assert [u.text for u in live] == [
-        "Thanks, Dana. Your balance is 42.10 dollars, due on March 3."
+        "Thanks, Dana. Your balance on account one two three four five six is forty-two "
+        "dollars, ten cents, due on March third."
     ]
     # Hang up by saying nothing: one retry, then the fallback says goodbye and hangs up.
     await h.clock.advance(6)
@@ -398,7 +401,9 @@ async def test_webhook_values_are_read_as_text_never_as_templates(
     await h.press("123456#")
     await h.waiting_for_input()
     live = [u.text for u in h.call.utterances if not u.cached]
-    assert live == ["Thanks, {caller}. Your balance is {0.__class__} dollars, due on tomorrow."]
+    # Neither is of its say-as type: each is read as written (never interpreted), and said.
+    assert live == ["Thanks, {caller}. Your balance on account one two three four five six is "
+                    "{0.__class__}, due on tomorrow."]
     assert "nested" not in h.runner.variables
     h.call.deliver(Hangup(at=h.clock.now()))
     await h.finished()
@@ -524,7 +529,7 @@ def clone_setup(tiny_base_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     registry.add(
         "anna", folder / "ref.wav", "Hello, this is Anna.", base_model=str(tiny_base_model_dir)
     )
-    engine = QwenEngine(str(tiny_base_model_dir), device="cpu")
+    engine = BatchedQwenEngine(str(tiny_base_model_dir), device="cpu", max_rows=4)
     return registry, engine, folder
 
 
@@ -558,7 +563,7 @@ async def test_a_script_speaks_with_a_registered_cloned_voice(clone_setup: Any) 
         service.stop()
 
 
-def test_a_cloned_voice_needs_a_base_model(engine: QwenEngine, clone_setup: Any) -> None:
+def test_a_cloned_voice_needs_a_base_model(engine: BatchedQwenEngine, clone_setup: Any) -> None:
     from gateway.errors import EngineError
     from gateway.tts.engine import SpeechRequest
 
@@ -842,10 +847,13 @@ async def test_each_call_logs_one_trace_record_at_hang_up(
     heard = trace["heard"]
     assert heard[0] == {"node": "welcome", "text": "Thank you for calling Acme Energy.",
                         "language": "English", "voice": "ryan", "at": 0.0, "cached": True,
-                        "interrupted": False}
+                        "interrupted": False, "words": "Thank you for calling Acme Energy."}
     assert heard[1]["language"] == "Spanish"
     live = next(h for h in heard if h["node"] == "balance")
     assert live["text"].startswith("Thanks, Dana.") and not live["cached"]
+    # The sentence as written (its values as the backend sent them) and the words spoken.
+    assert "is 42.10, due on March 3." in live["text"]
+    assert "is forty-two dollars, ten cents, due on March third." in live["words"]
     times = [v["at"] for v in trace["visits"]]
     assert times == sorted(times) and times[2] >= 2.0
     assert trace["outcome"] == "hangup" and trace["target"] is None

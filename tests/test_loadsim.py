@@ -11,6 +11,7 @@ import socket
 import statistics
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from sip_peers import wait_until
 from gateway.cli import main
 from gateway.loadsim.model import evaluate, parse_slo
 from gateway.loadsim.runner import LoadConfig, run_level
-from gateway.tts.qwen import QwenEngine
+from gateway.tts.batched import BatchedQwenEngine
 
 
 @pytest.fixture(scope="module")
@@ -244,19 +245,22 @@ def test_a_server_that_never_answers_a_turn_shows_a_timeout() -> None:
     assert level.calls[0].error == "no audio within 2 s after pressing 5 (turn 2)"
 
 
-class _SlowEngine(QwenEngine):
+class _SlowEngine(BatchedQwenEngine):
     """The real engine, with a planted delay before the first chunk of every utterance."""
 
     delay_s = 0.0
 
-    def stream(self, request, should_stop=None):  # type: ignore[no-untyped-def]
-        inner = super().stream(request, should_stop)
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self._started: weakref.WeakSet[object] = weakref.WeakSet()
 
-        def slowed():  # type: ignore[no-untyped-def]
-            time.sleep(self.delay_s)
-            yield from inner
-
-        return slowed()
+    def next_chunks(self, rows):  # type: ignore[no-untyped-def]
+        chunks = super().next_chunks(rows)
+        for row, audio in zip(rows, chunks, strict=True):
+            if audio is not None and row not in self._started:
+                self._started.add(row)
+                time.sleep(self.delay_s)
+        return chunks
 
 
 #: The no-script greeter's greeting in these tests (short: the tiny model speaks 2.9 s of it).
@@ -270,7 +274,8 @@ def greeter(tiny_model_dir: Path) -> Iterator[tuple[LiveServer, list[_SlowEngine
     engines: list[_SlowEngine] = []
 
     def factory(settings):  # type: ignore[no-untyped-def]
-        engines.append(_SlowEngine(str(tiny_model_dir), device="cpu"))
+        engines.append(_SlowEngine(str(tiny_model_dir), device="cpu", max_rows=4,
+                                   trim_leading_silence=False))
         return engines
 
     with serve({"model": str(tiny_model_dir), "greeting": GREETING}, factory) as live:

@@ -67,6 +67,57 @@ def test_masked_attention_equals_the_librarys_without_repeating_heads(
     assert unmasked.shape == (8, 1, 4, 16)
 
 
+@pytest.mark.parametrize("q_len", [1, 7], ids=["decode", "prefill"])
+@pytest.mark.parametrize("kind", ["bool", "additive", "per-head"])
+def test_folded_attention_equals_the_librarys_without_repeating_heads(
+    monkeypatch: pytest.MonkeyPatch, q_len: int, kind: str,
+) -> None:
+    """The CUDA path, called on the CPU: query heads folded into the query axis over the
+    unrepeated keys give the library's repeat-then-attend output, for the one-token step
+    (the mask a broadcast view) and a causal multi-token prefill (the mask copied, not K/V)."""
+    g = torch.Generator().manual_seed(5)
+    rows, hq, hkv, lk, d = 6, 8, 2, 48, 16
+    query = torch.randn(rows, q_len, hq, d, generator=g).transpose(1, 2)  # as the layers make it
+    key = torch.randn(rows, hkv, lk, d, generator=g)
+    value = torch.randn(rows, hkv, lk, d, generator=g)
+    lengths = torch.arange(rows) * 7 + q_len
+    keys = torch.arange(lk)
+    # Row r's query t sits at position lengths[r] - q_len + t and sees keys up to it.
+    at = lengths[:, None] - q_len + torch.arange(q_len)[None, :]
+    mask = (keys[None, None, :] <= at[:, :, None])[:, None]  # [rows, 1, q_len, lk]
+    if kind == "additive":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    elif kind == "per-head":
+        mask = mask.expand(rows, hq, q_len, lk).clone()
+        mask[:, 1::2, :, :3] = False  # heads differ: the fold must keep each head's own row
+        mask[:, :, :, 0] = True
+    module = _Module()
+    module.num_key_value_groups = hq // hkv
+    expected, _ = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask,
+                                                        scaling=0.3)
+
+    def no_copy(*_args: object) -> None:
+        raise AssertionError("key / value heads repeated")
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", no_copy)
+    got = attention.folded_gqa_attention(query, key, value, mask, scaling=0.3)
+    assert got.shape == expected.shape == (rows, q_len, hq, d)
+    assert torch.allclose(got, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+    # The registered function takes the fold on the devices listed for it.
+    monkeypatch.setattr(attention, "FOLD_DEVICES", frozenset({"cpu"}))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls: list[dict[str, object]] = []
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs)
+        return sdpa(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    routed, _ = attention.sdpa_gqa_attention_forward(module, query, key, value, mask,
+                                                     scaling=0.3)
+    assert torch.equal(routed, got) and calls and "enable_gqa" not in calls[0]
+
+
 def test_the_library_builds_the_same_masks_for_it_as_for_sdpa(shared: QwenModel) -> None:
     """Registered without SDPA's mask builder, the library would build no mask for the name
     (it takes an unknown name for a backend that needs none): a padded prompt would attend

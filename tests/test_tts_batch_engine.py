@@ -18,7 +18,6 @@ import torch
 
 from gateway import heap
 from gateway.errors import EngineError
-from gateway.tts import batched as batched_module
 from gateway.tts import cpu_linear
 from gateway.tts.batch_cache import RowKVCache
 from gateway.tts.batch_sampling import RowDraws, kcap_for, penalise_repeats, sample_rows
@@ -30,6 +29,7 @@ from gateway.tts.batched import (
     kv_len_for,
 )
 from gateway.tts.engine import SAMPLES_PER_FRAME, Sampling, SpeechRequest
+from gateway.tts.graphs import StandInGraph
 from gateway.tts.qwen import QwenModel
 from gateway.tts.tiny import TINY_MAX_NEW_TOKENS
 
@@ -87,10 +87,10 @@ def _drive(engine: BatchedQwenEngine, plan: list[tuple[int, SpeechRequest]],
         for turn, row in list(live.items()):
             assert row.output is not None
             if not decode:
-                row.output.buffer.clear()
+                engine.drop_pending(row)
             while engine.next_chunk(row) is not None and row.finished is not None:
                 pass
-            if row.finished is not None and not row.output.buffer:
+            if row.finished is not None and not row.output.pending:
                 engine.close(row)
                 done[turn] = live.pop(turn)
         step += 1
@@ -433,12 +433,18 @@ def test_an_eager_step_runs_only_the_rows_up_to_the_highest_that_advances(
     for row in rows:
         while row.prefilling:
             engine.prefill(row)
-    assert engine.step(rows) == 3
+    def step(stepping: list[BatchRow]) -> int:
+        bucket = engine.step(stepping)
+        for row in stepping:
+            engine.drop_pending(row)  # the codec is not under test
+        return bucket
+
+    assert step(rows) == 3
     newcomer = engine.open(requests[3])  # index 3, its prompt not yet run
-    assert engine.step(rows) == 3
-    assert engine.step(rows[:2]) == 2  # the third sits out: above the highest, not computed
+    assert step(rows) == 3
+    assert step(rows[:2]) == 2  # the third sits out: above the highest, not computed
     while live := [r for r in rows if r.finished is None]:
-        assert engine.step(live) == max(r.index for r in live) + 1
+        assert step(live) == max(r.index for r in live) + 1
     for row, expected in zip(rows, solo, strict=True):
         assert torch.equal(_codes(row), expected)
     assert newcomer.prefilling and newcomer.frames == 0
@@ -530,32 +536,91 @@ def test_buckets_and_attended_lengths() -> None:
     assert kcap_for([0], 3072) == 3072 and kcap_for([5000], 2048) == 2048
 
 
-def test_one_graph_per_shape_is_captured_and_capture_warm_ups_change_no_row(
-    shared: QwenModel, monkeypatch: pytest.MonkeyPatch
+def test_graph_mode_replays_give_the_eager_codes_and_capture_changes_no_row(
+    shared: QwenModel,
 ) -> None:
-    """The CUDA branch of the seam with the eager replayer: capture warm-ups run the step for
-    real (as CUDA graph capture does) with every row masked, so rows mid-turn are unchanged."""
-    warmups = []
-
-    def fake_capture(step: Callable[[], None], device: Any, pool: Any = None,
-                     warmup: int = 2) -> Any:
-        for _ in range(warmup + 1):  # warm-ups plus the capture run itself
-            step()
-            warmups.append(step)
-        return batched_module._EagerReplay(step)
-
+    """The graph-mode branches of the step through the capture stand-in: device staging
+    buffers, one copy out per step, a graph per bucket replayed through static buffers.
+    Graphs captured lazily mid-turn (no warm-up here) run their capture warm-ups for real with
+    every row masked, so rows mid-turn are unchanged: every turn gives the eager codes."""
     requests = _requests(Sampling.greedy(), frames=10)[:3]
     reference = BatchedQwenEngine(shared, max_rows=4, record_codes=True)
     expected = _drive(reference, [(2 * i, r) for i, r in enumerate(requests)])
-    engine = BatchedQwenEngine(shared, max_rows=4, record_codes=True)
-    monkeypatch.setattr(batched_module, "capture", fake_capture)
-    engine.cuda_graphs = True  # what CUDA would run; kv lengths now come in graph buckets
+    engine = BatchedQwenEngine(shared, max_rows=4, record_codes=True, cuda_graphs=True)
+    assert "graph stand-in" in engine.name
     got = _drive(engine, [(2 * i, r) for i, r in enumerate(requests)])
     for i in range(3):
         assert torch.equal(_codes(got[i]), _codes(expected[i]))
-    # Buckets 1, 2 and 4 (three rows pad to four) at one attended length (256) and top-k 64.
+    # Buckets 1, 2 and 4 (three rows pad to four) at one attended length (256), top-k 64.
     assert sorted(engine._graphs) == [(1, 256, 64, 64), (2, 256, 64, 64), (4, 256, 64, 64)]
-    assert engine.captures == 3 and len(warmups) == 9
+    assert engine.captures == 3
+    assert all(isinstance(g, StandInGraph) and g.replays > 0 for g in engine._graphs.values())
+
+
+def test_warm_up_captures_every_graph_and_serving_captures_none(shared: QwenModel) -> None:
+    """Warm-up (as the gateway runs it, outside any inference mode) captures every bucket and
+    attended length for the engine's sampling envelope; turns with other top-k settings, at
+    every batch size, then replay those graphs and capture nothing. Before graph capture ran
+    under inference mode, this warm-up raised "Inplace update to inference tensor outside
+    InferenceMode" at the first capture, and the gateway never became ready."""
+    engine = BatchedQwenEngine(shared, max_rows=4, max_seq_len=512, record_codes=True,
+                               record_logits=True, cuda_graphs=True)
+    assert not torch.is_inference_mode_enabled()
+    engine.warmup()
+    assert engine.captures == len(batch_buckets(4)) * 2 == len(engine._graphs)  # 256, 512
+    assert {key[:2] for key in engine._graphs} == {
+        (b, n) for b in (1, 2, 4) for n in (256, 512)}
+    assert engine.capture_s > 0
+    samplings = [Sampling(top_k=10), Sampling.greedy(), None, Sampling(top_k=64, top_p=0.9)]
+    requests = [SpeechRequest(text=TEXTS[i], speaker=SPEAKERS[i], seed=7 + i,
+                              max_frames=6 + i, min_frames=6 + i, sampling=samplings[i])
+                for i in range(4)]
+    eager = BatchedQwenEngine(shared, max_rows=4, max_seq_len=512, record_codes=True,
+                              record_logits=True)
+    plan = [(i, r) for i, r in enumerate(requests)]
+    got, expected = _drive(engine, plan), _drive(eager, plan)
+    assert engine.captures == 6  # nothing captured while serving
+    for i in range(4):
+        worst, _where = _explain(expected[i], got[i], greedy=samplings[i] == Sampling.greedy())
+        assert worst < 1e-3
+
+
+def test_graph_mode_refuses_a_top_k_beyond_its_captured_envelope(shared: QwenModel) -> None:
+    """The candidate count is a graph shape: a request needing more than the envelope the
+    graphs were captured for is refused with the setting to change, never captured mid-call."""
+    engine = BatchedQwenEngine(shared, max_rows=2, cuda_graphs=True)
+    with pytest.raises(EngineError, match="max_top_k"):
+        engine.stream(SpeechRequest(text="x", sampling=Sampling(top_k=0)))
+    wide = BatchedQwenEngine(shared, max_rows=2, cuda_graphs=True, max_top_k=0)
+    assert (wide._tk, wide._pk) == (wide.vocab, wide._pred_vocab)
+    chunks = list(wide.stream(SpeechRequest(text="x", seed=1, max_frames=3, min_frames=3,
+                                            sampling=Sampling(top_k=0))))
+    assert sum(len(c) for c in chunks) == 3 * SAMPLES_PER_FRAME
+    # Eager steps follow their rows: no envelope to respect.
+    eager = BatchedQwenEngine(shared, max_rows=2)
+    assert list(eager.stream(SpeechRequest(text="x", seed=1, max_frames=2, min_frames=2,
+                                           sampling=Sampling(top_k=0))))
+
+
+def test_rebuild_in_graph_mode_recaptures_every_graph_and_serves_the_same_codes(
+    shared: QwenModel,
+) -> None:
+    """After a failed step the loop rebuilds: fresh buffers, every graph captured again (under
+    inference mode, as at warm-up), and a turn then gives the codes it gave before."""
+    engine = BatchedQwenEngine(shared, max_rows=2, max_seq_len=256, record_codes=True,
+                               cuda_graphs=True)
+    engine.warmup()
+    request = _requests(Sampling.greedy(), frames=6)[0]
+    before = _drive(engine, [(0, request)])[0]
+    row = engine.open(request)
+    engine.prefill(row)
+    engine.step([row])
+    engine.rebuild()  # as BatchLoop does after an exception inside a step
+    assert engine.captures == 2 * len(batch_buckets(2)) and len(engine._graphs) == 2
+    with pytest.raises(EngineError, match="lost when the engine was rebuilt"):
+        engine.step([row])
+    after = _drive(engine, [(0, request)])[0]
+    assert torch.equal(_codes(after), _codes(before))
 
 
 @pytest.mark.gpu
@@ -676,7 +741,10 @@ def test_closing_a_row_moves_the_last_row_into_its_place(
     engine.close(rows[0])  # row 2 (index 2) moves to index 0 with its KV and state
     assert rows[2].index == 0 and rows[1].index == 1
     while rows[2].finished is None:
-        engine.step([r for r in rows[1:] if r.finished is None])
+        live = [r for r in rows[1:] if r.finished is None]
+        engine.step(live)
+        for row in live:
+            engine.drop_pending(row)  # the codec is not under test
     assert torch.equal(_codes(rows[2]), solo)
 
 

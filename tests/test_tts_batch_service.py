@@ -63,13 +63,9 @@ def _frames(chunks: Sequence[np.ndarray]) -> int:
 
 async def _until(service: SpeechService, predicate: Callable[[], bool], timeout: float = 20.0,
                  ) -> None:
-    """Wait (off the event loop) until ``predicate`` holds; the service notifies its condition
-    whenever health changes."""
-    def wait() -> bool:
-        with service._cond:
-            return service._cond.wait_for(predicate, timeout)
-
-    assert await asyncio.to_thread(wait), "condition not reached"
+    """Wait (off the event loop) until ``predicate`` holds; the service re-checks it whenever a
+    turn or a core's health changes."""
+    assert await asyncio.to_thread(service.wait_for, predicate, timeout), "condition not reached"
 
 
 class _Recorder(BatchedQwenEngine):
@@ -227,10 +223,16 @@ async def test_a_full_batch_queues_turns_in_deadline_order(
 # --- failures -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 async def test_an_exception_inside_a_step_fails_the_heard_turns_and_the_rest_carry_on(
-    shared: QwenModel, service_factory: Callable[..., SpeechService],
+    shared: QwenModel, service_factory: Callable[..., SpeechService], graphs: bool,
 ) -> None:
-    engine = _Recorder(shared, max_rows=4, trim_leading_silence=False)
+    """Eager, and in graph mode through the capture stand-in: there the rebuild captures every
+    graph again before the loop serves on."""
+    engine = _Recorder(shared, max_rows=4, trim_leading_silence=False, cuda_graphs=graphs,
+                       max_seq_len=256)
+    if graphs:
+        engine.warmup()
     fired = threading.Event()
 
     def fault(rows: Sequence[EngineRow]) -> None:
@@ -255,12 +257,16 @@ async def test_an_exception_inside_a_step_fails_the_heard_turns_and_the_rest_car
     assert service.stats.failed == 1 and service.healthy_slots == 1
     after = service.stream(_request("Later caller.", 6))
     assert _frames(await _drain(after)) == 6
+    if graphs:  # warm-up and rebuild each captured all three buckets, serving none
+        assert engine.captures == 2 * 3 and len(engine._graphs) == 3
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 async def test_the_watchdog_fails_a_hung_step_and_the_loop_serves_again_once_it_returns(
-    shared: QwenModel, service_factory: Callable[..., SpeechService],
+    shared: QwenModel, service_factory: Callable[..., SpeechService], graphs: bool,
 ) -> None:
-    engine = _Recorder(shared, max_rows=4, trim_leading_silence=False)
+    engine = _Recorder(shared, max_rows=4, trim_leading_silence=False, cuda_graphs=graphs,
+                       max_seq_len=256)
     entered, release = threading.Event(), threading.Event()
 
     def hang(rows: Sequence[EngineRow]) -> None:
@@ -334,9 +340,9 @@ async def test_a_burst_of_newcomers_is_prefilled_in_one_call_and_starts_in_one_s
 ) -> None:
     engine = _Recorder(shared, max_rows=4, trim_leading_silence=False)
     service = service_factory(engine)
-    # The service's condition is reentrant: holding it, the four are queued before the loop
-    # can admit any, as when four callers' turns arrive between two of its iterations.
-    with service._cond:
+    # The core's condition is reentrant: holding it, the four are queued before the core can
+    # admit any, as when four callers' turns arrive between two of its iterations.
+    with service.cores[0]._cond:
         streams = [service.stream(_request(f"Caller number {i} speaks.", 6, seed=i))
                    for i in range(4)]
     outs = await asyncio.gather(*(_drain(stream) for stream in streams))
@@ -351,7 +357,7 @@ async def test_a_failed_prefill_together_is_retried_one_by_one_and_fails_only_it
     engine = _Recorder(shared, max_rows=4, trim_leading_silence=False)
     engine.poison = "Poisoned prompt."
     service = service_factory(engine)
-    with service._cond:
+    with service.cores[0]._cond:
         before = service.stream(_request("Arrived first.", 6))
         poisoned = service.stream(_request("Poisoned prompt.", 6))
         after = service.stream(_request("Arrived last.", 6, seed=3))

@@ -1,35 +1,29 @@
-"""The Qwen engine on CPU with the tiny checkpoint: streaming, chunking, seeds, stopping, errors."""
+"""The engine on CPU with the tiny checkpoint: streaming, chunking, seeds, stopping, errors."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import inspect
 import os
 import subprocess
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from gateway import heap
 from gateway.errors import EngineError, ModelLoadError
+from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.engine import SAMPLES_PER_FRAME, Engine, SpeechRequest
-from gateway.tts.qwen import (
-    QwenEngine,
-    default_max_frames,
-    parse_chunk_schedule,
-)
+from gateway.tts.qwen import default_max_frames, parse_chunk_schedule
 from gateway.tts.service import SpeechService
 from gateway.tts.tiny import TINY_MAX_NEW_TOKENS
 
 
 def test_chunks_follow_the_schedule_then_repeat_its_last_entry(
-    tiny_engine: QwenEngine, monkeypatch: pytest.MonkeyPatch
+    tiny_engine: BatchedQwenEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Fixed schedule here; adaptive shrinking is tested in test_tts_chunking.py.
     monkeypatch.setattr(tiny_engine, "adaptive_chunks", False)
@@ -45,14 +39,14 @@ def test_chunks_follow_the_schedule_then_repeat_its_last_entry(
     assert sum(sizes) <= 23 and sizes[-1] <= expected[min(len(sizes) - 1, 4)]
 
 
-def test_first_chunk_is_one_codec_frame(tiny_engine: QwenEngine) -> None:
+def test_first_chunk_is_one_codec_frame(tiny_engine: BatchedQwenEngine) -> None:
     first = next(iter(tiny_engine.stream(SpeechRequest(text="Hello there.", seed=3))))
     assert first.dtype == np.float32 and first.shape == (SAMPLES_PER_FRAME,)
     assert np.isfinite(first).all() and np.abs(first).max() <= 1.0
 
 
 def test_same_seed_same_audio_different_seed_different_audio(
-    tiny_engine: QwenEngine, monkeypatch: pytest.MonkeyPatch
+    tiny_engine: BatchedQwenEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def render(seed: int) -> tuple[np.ndarray, torch.Tensor]:
         request = SpeechRequest(text="Your balance is ten dollars.", seed=seed, max_frames=12)
@@ -73,19 +67,19 @@ def test_same_seed_same_audio_different_seed_different_audio(
     assert np.array_equal(d, e)
 
 
-def test_a_production_slot_keeps_no_codes_of_its_last_utterance(
-    tiny_engine: QwenEngine, monkeypatch: pytest.MonkeyPatch
+def test_a_production_engine_keeps_no_codes_of_its_last_utterance(
+    tiny_engine: BatchedQwenEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Code tensors are recorded only when asked (tests, debugging): an idle production slot
+    """Code tensors are recorded only when asked (tests, debugging): an idle production engine
     must not hold its last utterance's codes until its next one."""
     monkeypatch.setattr(tiny_engine, "record_codes", False)
     chunks = list(tiny_engine.stream(SpeechRequest(text="Press two.", seed=5, max_frames=6)))
     assert chunks and tiny_engine.last_codes == []
-    assert inspect.signature(QwenEngine).parameters["record_codes"].default is False
+    assert inspect.signature(BatchedQwenEngine).parameters["record_codes"].default is False
 
 
 def test_closing_the_stream_stops_generation_and_the_engine_stays_usable(
-    tiny_engine: QwenEngine,
+    tiny_engine: BatchedQwenEngine,
 ) -> None:
     stream = tiny_engine.stream(SpeechRequest(text="A long sentence. " * 20, seed=5))
     next(stream)
@@ -96,7 +90,7 @@ def test_closing_the_stream_stops_generation_and_the_engine_stays_usable(
     assert sum(len(c) for c in again) <= 3 * SAMPLES_PER_FRAME and again
 
 
-def test_max_frames_defaults_from_text_length(tiny_engine: QwenEngine) -> None:
+def test_max_frames_defaults_from_text_length(tiny_engine: BatchedQwenEngine) -> None:
     text = "Hi."
     total = sum(len(c) for c in tiny_engine.stream(SpeechRequest(text=text, seed=2)))
     assert total <= default_max_frames(text) * SAMPLES_PER_FRAME
@@ -104,7 +98,7 @@ def test_max_frames_defaults_from_text_length(tiny_engine: QwenEngine) -> None:
 
 
 def test_the_checkpoints_max_new_tokens_bounds_a_request_that_names_no_length(
-    tiny_engine: QwenEngine,
+    tiny_engine: BatchedQwenEngine,
 ) -> None:
     """The tiny checkpoint's generation_config.json says ``max_new_tokens: 64`` (it never
     samples EOS): a request that names no length stops there, as qwen-tts's own ``generate``
@@ -125,36 +119,7 @@ def test_the_checkpoints_max_new_tokens_bounds_a_request_that_names_no_length(
     assert frames(SpeechRequest(text=long, seed=4, max_frames=named, min_frames=named)) == named
 
 
-@pytest.mark.parametrize("pads", [0, 3])
-def test_the_slots_attention_mask_table_is_the_librarys_built_at_once(
-    tiny_engine: QwenEngine, pads: int
-) -> None:
-    """faster-qwen3-tts builds a slot's per-position masks with one transformers call each
-    (~2 CPU-s per slot start or rebuild); ours builds the same table in one step. Every
-    position's mask must equal the library's, with and without left padding."""
-    from faster_qwen3_tts.talker_graph import TalkerGraph
-
-    from gateway.tts.qwen import build_mask_table
-
-    graph = QwenEngine(tiny_engine.shared, max_seq_len=48)._wrapper.talker_graph
-    graph._init_cache_layers()
-    mask = torch.ones(1, 48, dtype=torch.long)
-    mask[0, :pads] = 0
-
-    def fallback(_: object) -> None:
-        raise AssertionError("the vectorised table was not built")
-
-    build_mask_table(graph, mask if pads else None, fallback=fallback)
-    ours = [m.clone() for m in graph.attn_mask_table]
-    TalkerGraph._build_attention_masks(graph, mask if pads else None)
-    theirs = graph.attn_mask_table
-    assert len(ours) == len(theirs) == 48
-    for position, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        assert a.dtype == b.dtype and a.shape == b.shape, position
-        assert torch.equal(a, b), position
-
-
-def test_unknown_speaker_or_language_is_a_clear_error(tiny_engine: QwenEngine) -> None:
+def test_unknown_speaker_or_language_is_a_clear_error(tiny_engine: BatchedQwenEngine) -> None:
     with pytest.raises(EngineError, match=r"unknown speaker 'nobody'.*ryan"):
         tiny_engine.stream(SpeechRequest(text="Hi.", speaker="nobody"))
     with pytest.raises(EngineError, match="unknown language 'Klingon'"):
@@ -163,7 +128,7 @@ def test_unknown_speaker_or_language_is_a_clear_error(tiny_engine: QwenEngine) -
         tiny_engine.stream(SpeechRequest(text="   "))
 
 
-def test_engine_reports_the_published_speakers(tiny_engine: QwenEngine) -> None:
+def test_engine_reports_the_published_speakers(tiny_engine: BatchedQwenEngine) -> None:
     assert {"ryan", "vivian", "serena", "aiden"} <= set(tiny_engine.speakers)
     assert "English" in tiny_engine.languages
     assert "cpu" in tiny_engine.name
@@ -172,7 +137,7 @@ def test_engine_reports_the_published_speakers(tiny_engine: QwenEngine) -> None:
 def test_missing_local_model_is_one_clear_line(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     with pytest.raises(ModelLoadError) as info:
-        QwenEngine(model=str(missing), device="cpu")
+        BatchedQwenEngine(model=str(missing), device="cpu")
     message = str(info.value)
     assert str(missing) in message and "--model" in message and "\n" not in message
 
@@ -196,11 +161,11 @@ def test_unreachable_hub_model_is_one_clear_line(tmp_path: Path) -> None:
 def test_broken_local_directory_names_the_directory(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="local directory"):
-        QwenEngine(model=str(tmp_path), device="cpu")
+        BatchedQwenEngine(model=str(tmp_path), device="cpu")
 
 
 def test_base_model_is_refused_for_custom_voice_speech(tiny_base_model_dir: Path) -> None:
-    engine = QwenEngine(model=str(tiny_base_model_dir), device="cpu")
+    engine = BatchedQwenEngine(model=str(tiny_base_model_dir), device="cpu")
     with pytest.raises(EngineError, match="'base' model"):
         engine.stream(SpeechRequest(text="Hi."))
 
@@ -217,15 +182,6 @@ def test_chunk_schedule_parsing(spec: str, expected: tuple[int, ...]) -> None:
 def test_chunk_schedule_rejects_nonsense(spec: str) -> None:
     with pytest.raises(ValueError):
         parse_chunk_schedule(spec)
-
-
-@pytest.mark.gpu
-def test_cuda_graph_engine_streams_on_gpu(tiny_model_dir: Path) -> None:
-    """The same stream through captured CUDA graphs (skipped without a CUDA device)."""
-    engine = QwenEngine(model=str(tiny_model_dir), device="cuda", adaptive_chunks=False)
-    engine.warmup()
-    chunks = list(engine.stream(SpeechRequest(text="Press one.", seed=1, max_frames=7)))
-    assert [len(c) // SAMPLES_PER_FRAME for c in chunks][:3] == [1, 2, 4]
 
 
 # --- the service: worker thread <-> asyncio ---------------------------------------------------
@@ -279,48 +235,30 @@ async def test_cancel_frees_the_slot_within_one_chunk(tiny_engine: Engine) -> No
         service.stop()
 
 
-class _FailingEngine(Engine):
-    name = "failing"
-    speakers = ("ryan",)
-    languages = ("English",)
+class _FailingEngine(BatchedQwenEngine):
+    """The real engine whose codec fails when a poisoned turn's second chunk is due."""
 
-    def stream(self, request: SpeechRequest, should_stop=None):  # type: ignore[no-untyped-def]
-        yield np.zeros(SAMPLES_PER_FRAME, dtype=np.float32)
-        raise RuntimeError("CUDA error: device-side assert triggered")
+    def next_chunks(self, rows):  # type: ignore[no-untyped-def]
+        if any(row.request.text == "Poison." and row.frames > 1 for row in rows):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return super().next_chunks(rows)
 
 
-async def test_engine_failure_mid_utterance_surfaces_as_engine_error() -> None:
-    service = SpeechService([_FailingEngine()])
+async def test_engine_failure_mid_utterance_surfaces_as_engine_error(
+    tiny_engine: BatchedQwenEngine,
+) -> None:
+    failing = _FailingEngine(tiny_engine.shared, max_rows=2, adaptive_chunks=False)
+    service = SpeechService([failing])
     service.start()
     try:
-        stream = service.stream(SpeechRequest(text="Hi."))
+        stream = service.stream(SpeechRequest(text="Poison.", seed=1, max_frames=8,
+                                              min_frames=8))
         assert len(await stream.__anext__()) == SAMPLES_PER_FRAME
         with pytest.raises(EngineError, match="device-side assert"):
             await stream.__anext__()
-        assert service.stats.failed == 1
-        # The slot survives: the next request is served.
-        stream2 = service.stream(SpeechRequest(text="Again."))
+        assert service.stats.failed == 1 and service.stats.recovered == 1
+        # The engine survives (rebuilt): the next request is served.
+        stream2 = service.stream(SpeechRequest(text="Again.", seed=1, max_frames=2))
         assert len(await stream2.__anext__()) == SAMPLES_PER_FRAME
     finally:
         service.stop()
-
-
-def test_a_cpu_rebuild_frees_the_old_graph_holders_with_the_start_up_heap_frozen(
-    tiny_engine: QwenEngine,
-) -> None:
-    """A ready gateway freezes its start-up heap out of the cycle collector (gateway/heap.py):
-    the graph holders (and their static caches) a CPU rebuild replaces must go by reference
-    counting alone. Their eager replayer once held its holder's step strongly: a cycle."""
-    assert list(tiny_engine.stream(SpeechRequest(text="Hi.", seed=1, max_frames=2)))
-    wrapper = tiny_engine._wrapper
-    old = [weakref.ref(wrapper.predictor_graph), weakref.ref(wrapper.talker_graph)]
-    del wrapper
-    heap.hold()
-    gc.disable()  # freed by reference counting, whatever else holds the heap in this process
-    try:
-        tiny_engine.rebuild()
-        assert [ref() for ref in old] == [None, None]
-    finally:
-        gc.enable()
-        heap.release()
-    assert list(tiny_engine.stream(SpeechRequest(text="Hi.", seed=1, max_frames=2)))

@@ -1,10 +1,10 @@
-"""The scheduler and the streaming engine on CPU with the tiny checkpoint (real engines)."""
+"""The front and the streaming engine on CPU with the tiny checkpoint (real engines)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from gateway.errors import EngineError
-from gateway.tts.codec_stream import StreamingCodecDecoder
+from gateway.tts.batched import BatchedQwenEngine
+from gateway.tts.codec_stream import StreamingCodecDecoder, WindowedCodecDecoder
 from gateway.tts.engine import SAMPLE_RATE, SAMPLES_PER_FRAME, Engine, SpeechRequest
-from gateway.tts.qwen import QwenEngine, QwenModel
+from gateway.tts.qwen import QwenModel
 from gateway.tts.service import SpeechService, SpeechStream
 
 
@@ -25,12 +26,19 @@ def shared_model(tiny_model_dir: Path) -> QwenModel:
 
 
 @pytest.fixture(scope="module")
-def two_slots(shared_model: QwenModel) -> list[QwenEngine]:
-    slots = [QwenEngine(shared_model, trim_leading_silence=False, record_codes=True)
-             for _ in range(2)]
-    for slot in slots:
-        slot.warmup()
-    return slots
+def engine(shared_model: QwenModel) -> BatchedQwenEngine:
+    engine = BatchedQwenEngine(shared_model, max_rows=2, trim_leading_silence=False,
+                               record_codes=True)
+    engine.warmup()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def one_row(shared_model: QwenModel) -> BatchedQwenEngine:
+    """An engine of one row: a second turn waits in the queue."""
+    engine = BatchedQwenEngine(shared_model, max_rows=1, trim_leading_silence=False)
+    engine.warmup()
+    return engine
 
 
 @pytest.fixture
@@ -56,9 +64,9 @@ async def _drain(stream: SpeechStream) -> list[np.ndarray]:
 
 
 async def test_first_chunk_arrives_long_before_the_utterance_is_complete(
-    two_slots: list[QwenEngine], service_factory: Callable[..., SpeechService]
+    engine: BatchedQwenEngine, service_factory: Callable[..., SpeechService]
 ) -> None:
-    service = service_factory(two_slots[:1])
+    service = service_factory([engine])
     stream = service.stream(SpeechRequest(text="A long sentence. " * 4, seed=4,
                                           max_frames=60, min_frames=60))
     arrivals = []
@@ -72,9 +80,8 @@ async def test_first_chunk_arrives_long_before_the_utterance_is_complete(
 
 
 def test_streamed_audio_equals_one_decode_of_every_frame_the_engine_produced(
-    two_slots: list[QwenEngine],
+    engine: BatchedQwenEngine,
 ) -> None:
-    engine = two_slots[0]
     request = SpeechRequest(text="Nothing is lost between chunks.", seed=11, max_frames=45,
                             min_frames=45)
     streamed = np.concatenate(list(engine.stream(request)))
@@ -92,17 +99,16 @@ def test_streamed_audio_equals_one_decode_of_every_frame_the_engine_produced(
 
 
 def test_incremental_decode_is_within_tolerance_of_the_windowed_decode(
-    two_slots: list[QwenEngine],
+    engine: BatchedQwenEngine,
 ) -> None:
     """Windowed decoding restarts attention positions and truncates context at each window; the
     stated tolerance: the two agree to >= 20 dB SNR on the tiny model's codec (random weights,
     so a real codec's smoother weights only help)."""
-    engine = two_slots[0]
     request = SpeechRequest(text="Windowed versus incremental.", seed=5, max_frames=40,
                             min_frames=40)
     incremental = np.concatenate(list(engine.stream(request)))
-    codes = list(engine.last_codes)
-    windowed = np.concatenate(list(engine._decode_windowed(iter(codes))))
+    window = WindowedCodecDecoder(engine.shared.base.model.speech_tokenizer)
+    windowed = np.concatenate([window.decode(codes) for codes in engine.last_codes])
     assert len(windowed) == len(incremental)
     noise = np.sum((incremental - windowed) ** 2)
     snr_db = 10 * np.log10(np.sum(windowed**2) / max(noise, 1e-20))
@@ -110,8 +116,8 @@ def test_incremental_decode_is_within_tolerance_of_the_windowed_decode(
     assert snr_db >= 20
 
 
-def test_codec_stream_state_resets_between_utterances(two_slots: list[QwenEngine]) -> None:
-    decoder = two_slots[0].shared.base.model.speech_tokenizer.model.decoder
+def test_codec_stream_state_resets_between_utterances(engine: BatchedQwenEngine) -> None:
+    decoder = engine.shared.base.model.speech_tokenizer.model.decoder
     codes = torch.randint(0, 2048, (6, 16), generator=torch.Generator().manual_seed(6))
     stream = StreamingCodecDecoder(decoder)
     stream.decode(codes[3:])  # an utterance before: its state must not leak into the next
@@ -131,10 +137,10 @@ def test_codec_stream_state_resets_between_utterances(two_slots: list[QwenEngine
 # --- cancellation -----------------------------------------------------------------------------
 
 
-async def test_cancel_frees_the_slot_within_one_chunk(
-    two_slots: list[QwenEngine], service_factory: Callable[..., SpeechService]
+async def test_cancel_frees_the_row_within_one_chunk(
+    engine: BatchedQwenEngine, service_factory: Callable[..., SpeechService]
 ) -> None:
-    service = service_factory(two_slots[:1])
+    service = service_factory([engine])
     stream = service.stream(SpeechRequest(text="Cancel me. " * 10, seed=2, max_frames=200,
                                           min_frames=200))
     seen = 0
@@ -147,7 +153,7 @@ async def test_cancel_frees_the_slot_within_one_chunk(
     gaps = np.diff(stream.chunk_times)
     one_chunk = float(np.max(gaps))
     freed = service.stats.cancel_to_free_s[-1]
-    print(f"\ncancel -> slot free {1000 * freed:.1f} ms; "
+    print(f"\ncancel -> row free {1000 * freed:.1f} ms; "
           f"one 8-frame chunk {1000 * one_chunk:.1f} ms")
     assert freed <= one_chunk
     assert service.busy_slots == 0 and service.stats.cancelled == 1
@@ -157,12 +163,12 @@ async def test_cancel_frees_the_slot_within_one_chunk(
 
 
 async def test_queued_turns_are_served_in_deadline_order(
-    two_slots: list[QwenEngine], service_factory: Callable[..., SpeechService]
+    one_row: BatchedQwenEngine, service_factory: Callable[..., SpeechService]
 ) -> None:
-    service = service_factory(two_slots[:1], first_audio_budget_s=0.2)
-    blocker = service.stream(SpeechRequest(text="Hold the slot.", seed=1, max_frames=30,
+    service = service_factory([one_row], first_audio_budget_s=0.2)
+    blocker = service.stream(SpeechRequest(text="Hold the row.", seed=1, max_frames=30,
                                            min_frames=30, tags={"turn": "blocker"}))
-    await blocker.__anext__()  # the slot is busy from here on
+    await blocker.__anext__()  # the only row is busy from here on
     now = time.monotonic()
     # Submitted in one order, due in another: the caller whose turn ended first goes first.
     late = service.stream(SpeechRequest(text="Late.", seed=1, max_frames=2, tags={"turn": "c"}),
@@ -176,59 +182,10 @@ async def test_queued_turns_are_served_in_deadline_order(
     assert service.stats.start_order[-4:] == ["blocker", "a", "b", "c"]
 
 
-def _slow_first_chunk(stream: Callable[..., Iterator[np.ndarray]], text: str,
-                     delay_s: float) -> Callable[..., Iterator[np.ndarray]]:
-    """An engine's ``stream`` whose turns saying ``text`` take ``delay_s`` longer to their
-    first chunk (a slow prefill), the others unchanged."""
-
-    def slowed(request: SpeechRequest, should_stop: Any = None) -> Iterator[np.ndarray]:
-        inner = stream(request, should_stop)
-        if request.text != text:
-            return inner
-
-        def delayed() -> Iterator[np.ndarray]:
-            time.sleep(delay_s)
-            yield from inner
-
-        return delayed()
-
-    return slowed
-
-
-async def test_a_turn_ahead_of_playback_yields_to_one_waiting_for_first_audio(
-    two_slots: list[QwenEngine], service_factory: Callable[..., SpeechService],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The urgent turn's prefill is made slow (0.3 s, several of the long turn's frames): a warm
-    # slot's own first chunk can arrive before the long turn reaches its next frame, and then
-    # there is nothing to yield to and the pause this test checks never happens.
-    for slot in two_slots:
-        monkeypatch.setattr(slot, "stream", _slow_first_chunk(slot.stream, "Urgent.", 0.3))
-    service = service_factory(two_slots, ahead_high_s=0.3, ahead_low_s=0.1)
-    long_turn = service.stream(SpeechRequest(text="Long. " * 30, seed=3, max_frames=150,
-                                             min_frames=150))
-    chunks = 0
-    async for _chunk in long_turn:
-        chunks += 1
-        if long_turn.audio_ahead(time.monotonic()) > 0.5:
-            break
-    urgent = service.stream(SpeechRequest(text="Urgent.", seed=3, max_frames=4))
-    first = await urgent.__anext__()
-    assert len(first) == SAMPLES_PER_FRAME
-    assert urgent.first_chunk_at is not None and urgent.started_at is not None
-    # While the urgent turn waited for its first audio, the long turn paused (within one codec
-    # frame) and produced at most the chunk it was already decoding.
-    during = [t for t in long_turn.chunk_times if urgent.started_at < t < urgent.first_chunk_at]
-    assert len(during) <= 1, during
-    assert service.stats.pauses >= 1
-    long_turn.cancel()
-    await _drain(urgent)
-
-
 async def test_gaps_are_counted_when_a_chunk_arrives_after_playback_ran_out(
-    two_slots: list[QwenEngine], service_factory: Callable[..., SpeechService]
+    engine: BatchedQwenEngine, service_factory: Callable[..., SpeechService]
 ) -> None:
-    service = service_factory(two_slots[:1])
+    service = service_factory([engine])
     stream = service.stream(SpeechRequest(text="Gaps?", seed=1, max_frames=20, min_frames=20))
     chunks = await _drain(stream)
     # Whether a real turn underruns depends on how busy the machine is (the tiny model runs ~5x
@@ -256,47 +213,55 @@ async def test_gaps_are_counted_when_a_chunk_arrives_after_playback_ran_out(
 # --- failure isolation ------------------------------------------------------------------------
 
 
-class _Faulty(Engine):
-    """A real engine slot that raises mid-utterance for one text (fault injection)."""
+class _Faulty(BatchedQwenEngine):
+    """The real engine whose batched codec decode raises when one text's third chunk is due
+    (fault injection)."""
 
-    def __init__(self, inner: QwenEngine, poison: str) -> None:
-        self.inner, self.poison, self.rebuilds = inner, poison, 0
+    poison = "Poison."
 
-    name = property(lambda self: "faulty " + self.inner.name)  # type: ignore[assignment]
-    speakers = property(lambda self: self.inner.speakers)  # type: ignore[assignment]
-    languages = property(lambda self: self.inner.languages)  # type: ignore[assignment]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rebuilds = 0
+        self.seen = 0
+        self.fired = False
 
-    def stream(
-        self, request: SpeechRequest, should_stop: Callable[[], bool] | None = None
-    ) -> Generator[np.ndarray, None, None]:
-        for index, chunk in enumerate(self.inner.stream(request, should_stop)):
-            if request.text == self.poison and index == 2:
-                raise RuntimeError("CUDA out of memory (injected)")
-            yield chunk
+    def next_chunks(self, rows: Any) -> list[np.ndarray | None]:
+        chunks = super().next_chunks(rows)
+        for row, chunk in zip(rows, chunks, strict=True):
+            if chunk is not None and row.request.text == self.poison and not self.fired:
+                self.seen += 1
+                if self.seen == 3:
+                    self.fired = True
+                    raise RuntimeError("CUDA out of memory (injected)")
+        return chunks
 
     def rebuild(self) -> None:
         self.rebuilds += 1
-        self.inner.rebuild()
+        super().rebuild()
 
 
-async def test_an_engine_exception_fails_only_its_turn(
-    two_slots: list[QwenEngine], service_factory: Callable[..., SpeechService]
+async def test_a_failed_batched_decode_fails_the_heard_turns_rebuilds_and_serves_on(
+    shared_model: QwenModel, service_factory: Callable[..., SpeechService]
 ) -> None:
-    slots = [_Faulty(slot, poison="Poison.") for slot in two_slots]
-    service = service_factory(slots)
+    """Rows due a chunk are decoded together: a failure of that call cannot be pinned on one
+    row, and every decoded row's codec state is suspect. Like a failed step, it fails the turns
+    already heard (their callers hear the apology), rebuilds the engine, and serves on. (A
+    failure that belongs to one turn, its prefill, fails that turn alone:
+    tests/test_tts_batch_service.py.)"""
+    faulty = _Faulty(shared_model, max_rows=2, trim_leading_silence=False, adaptive_chunks=False)
+    service = service_factory([faulty])
     healthy = service.stream(SpeechRequest(text="Healthy.", seed=1, max_frames=30, min_frames=30))
     doomed = service.stream(SpeechRequest(text="Poison.", seed=1, max_frames=30, min_frames=30))
-    healthy_chunks = asyncio.create_task(_drain(healthy))
     received = []
     with pytest.raises(EngineError, match="injected"):
         async for chunk in doomed:
             received.append(chunk)
-    assert len(received) == 2
-    chunks = await healthy_chunks
-    assert sum(len(c) for c in chunks) == 30 * SAMPLES_PER_FRAME
-    assert service.stats.failed == 1 and service.healthy_slots == 2
-    assert sum(slot.rebuilds for slot in slots) == 1
-    # The rebuilt slot serves the next turns.
+    assert len(received) == 2  # the third chunk's decode failed
+    with pytest.raises(EngineError, match="injected"):
+        await _drain(healthy)  # heard already, and its codec state went with the failed call
+    assert service.stats.failed == 2 and faulty.rebuilds == 1
+    assert service.healthy_slots == 1
+    # The rebuilt engine serves the next turns.
     again = [service.stream(SpeechRequest(text=f"Again {i}.", seed=1, max_frames=3))
              for i in range(2)]
     for stream in again:

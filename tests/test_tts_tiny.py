@@ -310,9 +310,36 @@ def test_the_tiny_alias_builds_again_when_the_cached_checkpoint_is_an_older_buil
         return Path(out_dir)
 
     monkeypatch.setattr(tiny, "build_tiny_checkpoint", fake_build)
-    assert resolve_model("tiny") == str(target) and built == [target]  # none cached: built
+    assert resolve_model("tiny") == str(target) and len(built) == 1  # none cached: built
+    # Built beside the target and moved into place whole.
+    assert built[0].parent == target.parent and built[0] != target
+    assert (target / "model.safetensors").read_bytes() == b"weights"
     assert resolve_model("tiny") == str(target) and len(built) == 1  # current: reused
     (target / "generation_config.json").write_text(json.dumps({"max_new_tokens": 64}))
     assert resolve_model("tiny") == str(target) and len(built) == 2  # an older build: again
     assert resolve_model("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice") == (
         "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
+
+
+def test_a_tiny_build_killed_midway_leaves_nothing_a_later_run_takes_for_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several processes resolve ``tiny`` at once (test workers, a gateway and its tools), and a
+    run can be killed mid-build (a stage timeout): the half-written directory must never be
+    where readers look."""
+    from gateway.tts.qwen import resolve_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = tmp_path / "qwen3-tts-gateway"
+    target = cache / "tiny-custom_voice"
+
+    def killed(out_dir: Path) -> Path:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt  # the process is stopped here
+
+    monkeypatch.setattr(tiny, "build_tiny_checkpoint", killed)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model("tiny")
+    assert not target.exists()
+    assert [p.name for p in cache.iterdir()] == ["tiny-custom_voice.lock"]

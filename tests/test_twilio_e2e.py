@@ -164,10 +164,10 @@ async def test_dtmf_during_speech_clears_and_stops_generation(live_gateway: Live
         await call.wait_for(lambda: stats.cancelled > cancelled_before, timeout=10)
         assert greeting.interrupted and greeting.generated.is_set()
         frames_at_clear = greeting.frames_sent
-        # The reply is a new live generation that contains the digit.
+        # The reply is a new live generation that reads the digit (GATEWAY_FREE_TEXT=full).
         reply = await call.wait_for(
             lambda: len(server_call.utterances) > 1 and server_call.utterances[1], timeout=10)
-        assert "5" in reply.text
+        assert reply.text == "You pressed five."
         await call.wait_for(lambda: any(r.at > clear[0].at for r in call.events("media")),
                             timeout=60)
         assert greeting.frames_sent == frames_at_clear
@@ -268,24 +268,27 @@ async def test_hanging_up_mid_utterance_stops_its_generation(
 def test_an_engine_failure_fails_the_turn_and_the_caller_hears_an_apology(
     tiny_model_dir: Path,
 ) -> None:
-    from gateway.tts.qwen import QwenEngine
+    from gateway.tts.batched import BatchedQwenEngine
 
     greeting = "This greeting will fail halfway."
 
-    class Faulty(QwenEngine):
-        def stream(self, request, should_stop=None):  # type: ignore[no-untyped-def]
-            inner = super().stream(request, should_stop)
+    class Faulty(BatchedQwenEngine):
+        """The real engine, whose codec fails at the greeting's third chunk."""
 
-            def gen():  # type: ignore[no-untyped-def]
-                for index, chunk in enumerate(inner):
-                    if request.text == greeting and index == 2:
+        chunks = 0
+
+        def next_chunks(self, rows):  # type: ignore[no-untyped-def]
+            chunks = super().next_chunks(rows)
+            for row, audio in zip(rows, chunks, strict=True):
+                if audio is not None and row.request.text == greeting:
+                    self.chunks += 1
+                    if self.chunks == 3:
                         raise RuntimeError("injected engine failure")
-                    yield chunk
-
-            return gen()
+            return chunks
 
     def factory(settings):  # type: ignore[no-untyped-def]
-        return [Faulty(str(tiny_model_dir), device="cpu")]
+        return [Faulty(str(tiny_model_dir), device="cpu", max_rows=4,
+                       trim_leading_silence=False)]
 
     with serve_virtual({"model": str(tiny_model_dir), "greeting": greeting}, factory) as live:
         live.run(_apology(live, greeting))

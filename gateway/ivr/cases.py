@@ -21,10 +21,16 @@ for business hours, the time of day the case gives::
         path: [welcome, menu, account, lookup, route, collections]
         says: [welcome, ...]            # sentences, or prompt names (in the language spoken,
                                         # filled in with the call's variables at its end)
+        hears: [welcome, ...]           # the words the caller hears: after say-as types, the
+                                        # lexicon and the free-text normaliser
         outcome: {transfer: "+15555550101"}   # or hangup, or caller hangup
 
-Once the steps run out the caller stays silent until the call ends. ``path``, ``says`` and
-``outcome`` are each optional and exact; a failure says where the call diverged.
+Once the steps run out the caller stays silent until the call ends. ``path``, ``says``,
+``hears`` and ``outcome`` are each optional and exact; a failure says where the call diverged.
+``says`` checks the sentences as written, their values filled in (``Your balance is 456.10``);
+``hears`` the words the engine speaks (``Your balance is four hundred and fifty-six dollars,
+ten cents``), read the way the script (or, with ``gateway prompts test --line``, a line of a
+lines file) reads them.
 
 A ``say`` step is heard as its words: a speech gather recognises exactly the phrase (or digit
 string) it says, anything else as out of the menu (the recogniser's accuracy is
@@ -80,6 +86,7 @@ from gateway.ivr.script import Script as IvrScript
 from gateway.ivr.trace import CallTrace
 from gateway.speech import Speaker
 from gateway.speech import Voice as SpeechVoice
+from gateway.text import Reader
 
 __all__ = [
     "INSTANT",
@@ -172,6 +179,7 @@ class Case(BaseModel):
     steps: list[Step] = Field(default_factory=list)
     path: list[str] | None = None
     says: list[str] | None = None
+    hears: list[str] | None = None
     outcome: Outcome | None = None
 
     @field_validator("at")
@@ -396,8 +404,12 @@ def _step_text(step: Step) -> str:
 
 
 async def run_case(script: IvrScript, case: Case, position: tuple[int, int] = (1, 1),
-                   fingerprint: str = "script-test") -> CaseResult:
-    """Run one case through the real runner on a virtual clock; compare what happened."""
+                   fingerprint: str = "script-test", reader: Reader | None = None
+                   ) -> CaseResult:
+    """Run one case through the real runner on a virtual clock; compare what happened.
+
+    ``reader``: how the line under test reads its sentences (default: the script's own)."""
+    reader = reader if reader is not None else script.reader()
     wall = case.at.timestamp() if case.at is not None else 1_750_000_000.0
     clock = VirtualClock(wall_start=wall)
     transport = InstantTransport()
@@ -412,7 +424,7 @@ async def run_case(script: IvrScript, case: Case, position: tuple[int, int] = (1
         voice_identity=_identity(script), speaker=SilentSpeaker(), audio="silence",
         clock=clock, http=http,
         sounds={node.play: _SILENCE for node in script.nodes.values() if node.play is not None},
-        recognizer=heard,
+        recognizer=heard, reader=reader,
     )
     waiting = asyncio.Event()
     trace = CallTrace(call.call_id, script.name, call.answered_at, on_waiting=waiting.set)
@@ -466,7 +478,7 @@ async def run_case(script: IvrScript, case: Case, position: tuple[int, int] = (1
         await http.aclose()
     result.failures[:0] = backend.problems
     result.variables = dict(runner.variables)
-    _compare(script, case, result)
+    _compare(script, case, result, reader)
     return result
 
 
@@ -507,7 +519,7 @@ def _identity(script: IvrScript) -> str:
     return resolve_voice(script).identity
 
 
-def _compare(script: IvrScript, case: Case, result: CaseResult) -> None:
+def _compare(script: IvrScript, case: Case, result: CaseResult, reader: Reader) -> None:
     trace = result.trace
     path = trace.path
     if case.path is not None and case.path != path:
@@ -523,31 +535,44 @@ def _compare(script: IvrScript, case: Case, result: CaseResult) -> None:
         result.failures.append(f"path diverged at node {i + 1}{after}: {what}\n"
                                f"    expected: {' > '.join(case.path)}\n"
                                f"    actual:   {' > '.join(path)}")
-    if case.says is not None:
-        heard = trace.heard
-        for i in range(max(len(case.says), len(heard))):
-            expected = case.says[i] if i < len(case.says) else None
-            got = heard[i] if i < len(heard) else None
-            wanted = expected
-            if expected is not None and expected in script.prompts:
-                wanted = render(script.sentence(expected, got.language if got else None),
-                                result.variables)
-            if got is not None and wanted == got.text:
-                continue
-            if got is None:
-                result.failures.append(f"sentence {i + 1}: expected \"{wanted}\", but nothing "
-                                       "more was said")
-            elif wanted is None:
-                result.failures.append(f"sentence {i + 1}: said \"{got.text}\" (at "
-                                       f"'{got.node}'), which the case does not expect")
-            else:
-                result.failures.append(f"sentence {i + 1} (at '{got.node}', {got.language}): "
-                                       f"expected \"{wanted}\", heard \"{got.text}\"")
-            break
+    for expectations, words in ((case.says, False), (case.hears, True)):
+        if expectations is not None:
+            _compare_sentences(script, expectations, words, result, reader)
     if case.outcome is not None:
         wanted = _expected_outcome(case.outcome)
         if wanted != _outcome_text(trace):
             result.failures.append(f"outcome: expected {wanted}, got {_outcome_text(trace)}")
+
+
+def _compare_sentences(script: IvrScript, expectations: list[str], words: bool,
+                       result: CaseResult, reader: Reader) -> None:
+    """``says`` (``words`` False): the sentences as written; ``hears``: the words spoken. A
+    prompt name stands for its text in the language it was said in, with the call's variables
+    at its end."""
+    heard = result.trace.heard
+    label = "the words of sentence" if words else "sentence"
+    for i in range(max(len(expectations), len(heard))):
+        expected = expectations[i] if i < len(expectations) else None
+        got = heard[i] if i < len(heard) else None
+        wanted = expected
+        if expected is not None and expected in script.prompts:
+            language = got.language if got else script.voice.language
+            template = script.sentence(expected, language)
+            wanted = (reader.sentence(template, result.variables, language).spoken if words
+                      else render(template, result.variables))
+        actual = None if got is None else got.words if words else got.text
+        if got is not None and wanted == actual:
+            continue
+        if got is None:
+            result.failures.append(f"{label} {i + 1}: expected \"{wanted}\", but nothing "
+                                   "more was said")
+        elif wanted is None:
+            result.failures.append(f"{label} {i + 1}: said \"{actual}\" (at '{got.node}'), "
+                                   "which the case does not expect")
+        else:
+            result.failures.append(f"{label} {i + 1} (at '{got.node}', {got.language}): "
+                                   f"expected \"{wanted}\", heard \"{actual}\"")
+        break
 
 
 def _why(trace: CallTrace, node: str) -> str:
@@ -565,9 +590,10 @@ def _why(trace: CallTrace, node: str) -> str:
     return f": {'; '.join(parts)}" if parts else ""
 
 
-async def run_cases(script: IvrScript, cases: CaseFile) -> list[CaseResult]:
-    """Every case of ``cases``, one after the other."""
-    return [await run_case(script, case, pos)
+async def run_cases(script: IvrScript, cases: CaseFile,
+                    reader: Reader | None = None) -> list[CaseResult]:
+    """Every case of ``cases``, one after the other (``reader`` as in :func:`run_case`)."""
+    return [await run_case(script, case, pos, reader=reader)
             for case, pos in zip(cases.cases, cases.positions, strict=True)]
 
 

@@ -11,6 +11,9 @@ its script and the numbers that reach it, and the line that answers everything e
       billing:
         script: billing.yaml
         numbers: ["+15550003333", "2000"]
+        reading: {currency: CAD}  # how this line reads (over its script's: gateway.text)
+        lexicon:                  # and says its names (before its script's entries)
+          - {text: Acme, say: Ack-mee}
 
 A number is an E.164 number (``+`` and 7 to 15 digits, country code first; spaces, dashes,
 dots and parentheses are read as visual separators, RFC 3966 5.1.1) or an extension / SIP user
@@ -43,17 +46,21 @@ from urllib.parse import unquote
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from gateway.ivr.script import (
+    LANGUAGES,
     Diagnostic,
     Script,
     ScriptError,
     _Loader,
     _Map,
     _schema_message,
+    check_lexicon_entry,
     key_position,
     load_script,
     position,
     read_yaml,
+    script_reader,
 )
+from gateway.text import LexiconEntry, Reader, Reading
 
 __all__ = [
     "DEFAULT_LABEL",
@@ -156,6 +163,10 @@ class _LineSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     script: str = Field(min_length=1)
     numbers: Annotated[list[str], BeforeValidator(_as_list)] = Field(default_factory=list)
+    #: This line's reading settings, over its script's (:class:`gateway.text.Reading`).
+    reading: Reading | None = None
+    #: This line's lexicon, applied before its script's.
+    lexicon: list[LexiconEntry] = Field(default_factory=list)
 
 
 class _LinesSpec(BaseModel):
@@ -179,6 +190,14 @@ class Line:
     script: Script
     path: Path
     numbers: tuple[str, ...] = ()
+    #: The line's own ``reading`` and ``lexicon`` (the script's apply where these say nothing).
+    reading: Reading | None = None
+    lexicon: tuple[LexiconEntry, ...] = ()
+
+    def reader(self) -> Reader:
+        """How this line reads its sentences: its reading over its script's, its lexicon
+        entries before its script's."""
+        return script_reader(self.script, self.reading, self.lexicon)
 
 
 @dataclass(frozen=True)
@@ -326,6 +345,8 @@ def load_lines(path: Path, *, voice_exists: Callable[[str], bool] | None = None,
                 continue
             numbers[number] = name
             first_at[number] = where[0]
+        for i, entry in enumerate(line.lexicon):
+            check_lexicon_entry(entry, ("lines", name, "lexicon", i), tree, report, LANGUAGES)
         if not line.numbers and name != spec.default:
             report(key_position(tree, ("lines", name)),
                    f"line '{name}' lists no numbers and is not the default: no call reaches it")
@@ -344,10 +365,32 @@ def load_lines(path: Path, *, voice_exists: Callable[[str], bool] | None = None,
         script = loaded[script_path]
         if script is not None:
             lines[name] = Line(name, script, script_path,
-                               tuple(n for n, owner in numbers.items() if owner == name))
+                               tuple(n for n, owner in numbers.items() if owner == name),
+                               line.reading, tuple(line.lexicon))
+            if line.reading is not None:
+                _check_reading(lines[name], position(tree, ("lines", name, "reading")), report)
     if problems:
         raise ScriptError(problems)
     return LinePlan(path, lines, spec.default, numbers, dict(stamps))
+
+
+def _check_reading(line: Line, where: tuple[int, int],
+                   report: Callable[[tuple[int, int], str], None]) -> None:
+    """A line's reading must still read its script's fixed values: a quoted phone number of
+    another region, or a date in another order, is found here rather than read as written on
+    every call."""
+    try:
+        reader = line.reader()
+    except ValueError:
+        return  # a lexicon entry that does not compile, reported where it is
+    seen: set[str] = set()
+    for template, voice in line.script.static_renders():
+        for fallback in reader.sentence(template, {}, voice.language).fallbacks:
+            if fallback.slot not in seen:
+                seen.add(fallback.slot)
+                report(where, f"line '{line.name}': with this reading, {line.script.path or ''}"
+                              f" reads {fallback.slot} as written: it is not a "
+                              f"{fallback.kind} (written {fallback.shape!r})")
 
 
 def _load_script(path: Path, written: str, line: str, where: tuple[int, int], label: str,

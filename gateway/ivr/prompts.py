@@ -17,6 +17,7 @@ from gateway.audio.resample import Decimator24kTo8k
 from gateway.ivr.cache import PromptCache, PromptKey
 from gateway.ivr.script import Script
 from gateway.ivr.script import Voice as ScriptVoice
+from gateway.text import Reader
 from gateway.tts.engine import Engine, SpeechRequest, VoicePrompt
 from gateway.tts.service import SpeechService
 
@@ -111,19 +112,23 @@ def request_for(spec: Script | ScriptVoice, text: str,
 
 
 def renders(script: Script, identity: ResolvedVoice,
-            clones: dict[str, ResolvedVoice] | None = None,
+            clones: dict[str, ResolvedVoice] | None = None, reader: Reader | None = None,
             ) -> list[tuple[str, ScriptVoice, ResolvedVoice]]:
-    """Every static sentence with the voice it is spoken in and that voice's identity."""
-    out = []
-    for text, voice in script.static_renders():
+    """Every static sentence, as the engine receives it (read by ``reader``, the line's;
+    default the script's own), with the voice it is spoken in and that voice's identity."""
+    reader = reader if reader is not None else script.reader()
+    out: dict[tuple[str, ScriptVoice], ResolvedVoice] = {}
+    for template, voice in script.static_renders():
         if voice.clone is None:
             resolved = ResolvedVoice(speaker_identity(voice))
         elif voice.clone == script.voice.clone:
             resolved = identity
         else:
             resolved = (clones or {})[voice.clone]
-        out.append((text, voice, resolved))
-    return out
+        # Two templates may read the same ("{'1':ordinal}" and "first"): one render.
+        text = reader.sentence(template, {}, voice.language).spoken
+        out.setdefault((text, voice), resolved)
+    return [(text, voice, resolved) for (text, voice), resolved in out.items()]
 
 
 def pcm_from_chunks(chunks: Iterable[np.ndarray],
@@ -151,6 +156,7 @@ async def render_missing(
     clones: dict[str, ResolvedVoice] | None = None,
     *,
     background: bool = False,
+    reader: Reader | None = None,
 ) -> tuple[int, int]:
     """Load every static prompt into memory (in every voice and language the script speaks
     it in), rendering the missing ones through the scheduler.
@@ -158,6 +164,8 @@ async def render_missing(
     Returns ``(hits, rendered)``. Renders run concurrently, one per free slot; ``background``
     (a script reloaded while calls are up): on a quarter of the slots, queued behind every
     caller's turn of the next few seconds, so callers keep their first-audio budget.
+    ``reader``: how the line reads its sentences (default: the script's own); the cache keys
+    on the words the engine receives.
 
     Whatever touches the disk or costs milliseconds runs in a worker thread, never on the event
     loop: it runs while the gateway already answers (a SIP endpoint is up before the engine
@@ -168,7 +176,7 @@ async def render_missing(
     audio = audio_identity(speech.engines[0], conditioning)
     wanted = [(prompt_key_for(spec, fingerprint, resolved.identity, text, audio),
                request_for(spec, text, resolved))
-              for text, spec, resolved in renders(script, voice, clones)]
+              for text, spec, resolved in renders(script, voice, clones, reader)]
     # Disk I/O off the event loop (a prompt not in memory is read and verified from its file):
     # a reload runs while calls are up, and their frames are paced on this loop.
     found = await asyncio.to_thread(lambda: [cache.get(key) is not None for key, _ in wanted])

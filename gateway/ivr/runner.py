@@ -72,6 +72,7 @@ from gateway.ivr.trace import CallTrace, Heard, KeyPress, Recognised, Visit, Web
 from gateway.metrics import Metrics
 from gateway.speech import Speaker
 from gateway.speech import Voice as SpeechVoice
+from gateway.text import Reader, Rendering
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,9 @@ class RunnerContext:
     #: trace; None outside a gateway: the script tester).
     line: str | None = None
     version: int | None = None
+    #: How the line reads its sentences (say-as types, free text, lexicon); None: the script's
+    #: own reading (``GATEWAY_SCRIPT``, the script tester).
+    reader: Reader | None = None
 
     def key(self, text: str, voice: ScriptVoice | None = None) -> PromptKey:
         """The cache key of ``text`` spoken with ``voice`` (default: the script's)."""
@@ -190,6 +194,9 @@ class IvrRunner:
         self.variables["language"] = self.voice.language
         self.typeahead: list[str] = []
         self.path: list[str] = []
+        self.reader = context.reader if context.reader is not None else self.script.reader()
+        # Typed slots already logged as read as written: once per call each.
+        self._fell_back: set[str] = set()
         # When the caller's current turn ended (None once an utterance has answered it).
         self._turn_at: float | None = call.answered_at
 
@@ -305,13 +312,17 @@ class IvrRunner:
         for item in items:
             voice = self.script.spoken_voice(item, self.voice)
             template = self.script.sentence(item, voice.language)
-            text = render(template, self.variables)
+            # What the engine (and the prompt cache's key) gets: the words, after say-as
+            # types, the lexicon and the free-text normaliser.
+            rendering = self.reader.sentence(template, self.variables, voice.language)
+            self._log_fallbacks(rendering)
+            text = rendering.spoken
             if not text.strip():
                 continue
             utterance = self._start_utterance(item, template, text, voice, barge_in)
-            heard = Heard(self.path[-1] if self.path else "", text, voice.language,
+            heard = Heard(self.path[-1] if self.path else "", rendering.written, voice.language,
                           voice.clone or voice.speaker or "", self.clock.now(),
-                          cached=utterance.cached)
+                          cached=utterance.cached, words=text)
             self.trace.heard.append(heard)
             try:
                 played = await self._wait_played(utterance, barge_in=barge_in)
@@ -326,6 +337,14 @@ class IvrRunner:
                 return False
             self._after_utterance(text, voice, utterance)
         return True
+
+    def _log_fallbacks(self, rendering: Rendering) -> None:
+        """A typed value read as written (a backend's "N/A" for a date): logged once per call
+        and slot, never a failed utterance."""
+        for fallback in rendering.fallbacks:
+            if fallback.slot not in self._fell_back:
+                self._fell_back.add(fallback.slot)
+                log.warning("call %s: %s", self.call.call_id, fallback)
 
     def _start_utterance(self, item: SayItem, template: str, text: str,
                          voice: ScriptVoice, barge_in: bool) -> Utterance:

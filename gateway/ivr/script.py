@@ -34,7 +34,6 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-import string
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -59,12 +58,23 @@ from gateway.asr.grammar import SpeechGrammar, language_code, language_name
 from gateway.errors import GatewayError, GrammarError
 from gateway.ivr.conditions import Condition, ConditionError, compile_condition
 from gateway.ivr.hours import HoursError, Schedule
+from gateway.text import (
+    Lexicon,
+    LexiconEntry,
+    LexiconError,
+    Reader,
+    Reading,
+    slot_problems,
+)
+from gateway.text.lexicon import compile_entry
+from gateway.text.sayas import say_as
+from gateway.text.template import MAX_VALUE_CHARS, Slot
+from gateway.text.template import parse as parse_template
+from gateway.text.template import slots as template_slots
 
 #: Longest sentence spoken as one utterance (~25 s of speech). Longer text should be split into
 #: several sentences so the caller can barge in between them and a failure loses less.
 MAX_SENTENCE_CHARS = 400
-#: Longest variable value inserted into a sentence (see :func:`render`).
-MAX_VALUE_CHARS = 200
 
 #: The published Qwen3-TTS CustomVoice speakers and languages (validation without a model).
 SPEAKERS = ("aiden", "dylan", "eric", "ono_anna", "ryan", "serena", "sohee", "uncle_fu", "vivian")
@@ -684,10 +694,21 @@ class Script(BaseModel):
     #: Language -> prompt name -> text: what a prompt says when the call speaks that language.
     translations: dict[str, dict[str, str]] = Field(default_factory=dict)
     nodes: dict[str, Node]
+    #: How the script's data is written and what untyped text is read as (a line of the lines
+    #: file may override it field by field): :class:`gateway.text.Reading`.
+    reading: Reading | None = None
+    #: How the script says its names (:mod:`gateway.text.lexicon`).
+    lexicon: list[LexiconEntry] = Field(default_factory=list)
 
     #: Where the script came from (set by the loader; not part of the YAML).
     path: Path | None = Field(None, exclude=True)
     _grammars: dict[str, SpeechGrammar] = PrivateAttr(default_factory=dict)
+
+    def reader(self) -> Reader:
+        """How this script reads its sentences on a line of its own (``GATEWAY_SCRIPT``, the
+        script tester): its own ``reading`` and ``lexicon`` (a lines file's line adds its own,
+        :meth:`gateway.ivr.lines.Line.reader`)."""
+        return script_reader(self)
 
     # --- the flow -------------------------------------------------------------------------
 
@@ -833,7 +854,6 @@ class Script(BaseModel):
 # --- templates --------------------------------------------------------------------------------
 
 
-_FORMATTER = string.Formatter()
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -853,28 +873,42 @@ def expand_env(value: str) -> str:
 
 
 def template_variables(text: str) -> list[str]:
-    """Names used as ``{name}`` in ``text`` (raises ValueError on malformed braces)."""
-    names = []
-    for _, field, spec, conversion in _FORMATTER.parse(text):
-        if field is None:
-            continue
-        if not _NAME.match(field) or spec or conversion:
-            raise ValueError(f"'{{{field}}}' is not a simple variable: write {{name}} with "
-                             "letters, digits and underscores only")
-        names.append(field)
-    return names
+    """Names used as ``{name}`` or ``{name:type}`` in ``text`` (raises ValueError on malformed
+    braces; the syntax is :mod:`gateway.text.template`'s)."""
+    return [part.name for part in parse_template(text) if isinstance(part, Slot) and part.name]
 
 
 def render(text: str, variables: dict[str, str]) -> str:
-    """Fill ``{name}`` placeholders. Values are inserted as plain text, never re-interpreted,
-    and at most :data:`MAX_VALUE_CHARS` of each: a caller's ``From`` arrives from the transport
-    unchecked, and a sentence is generated live (an engine slot busy for its whole length)."""
+    """Fill ``{name}`` placeholders (a say-as slot with its value as written). Values are
+    inserted as plain text, never re-interpreted, and at most :data:`MAX_VALUE_CHARS` of each:
+    a caller's ``From`` arrives from the transport unchecked, and a sentence is generated live
+    (an engine slot busy for its whole length). What the engine says is
+    :meth:`gateway.text.Reader.sentence`'s."""
     out = []
-    for literal, field, _, _ in _FORMATTER.parse(text):
-        out.append(literal)
-        if field is not None:
-            out.append(str(variables.get(field, ""))[:MAX_VALUE_CHARS])
+    for part in parse_template(text):
+        if isinstance(part, str):
+            out.append(part)
+        elif part.literal is not None:
+            out.append(part.literal)
+        else:
+            out.append(str(variables.get(part.name or "", ""))[:MAX_VALUE_CHARS])
     return "".join(out)
+
+
+def script_reader(script: Script, reading: Reading | None = None,
+                  lexicon: Iterable[LexiconEntry] = ()) -> Reader:
+    """How ``script`` reads on a line whose own ``reading`` and ``lexicon`` are given: the
+    line's reading over the script's, the line's lexicon entries before the script's (the
+    line's say it first)."""
+    merged = reading.over(script.reading) if reading is not None else script.reading
+    return _reader(script.voice.language, merged, (*lexicon, *script.lexicon))
+
+
+@functools.lru_cache(maxsize=256)
+def _reader(language: str, reading: Reading | None,
+            lexicon: tuple[LexiconEntry, ...]) -> Reader:
+    # Readers compile their lexicon: one per distinct setting, however many calls ask.
+    return Reader(language, reading, Lexicon(lexicon))
 
 
 # --- loading and validation -------------------------------------------------------------------
@@ -1151,6 +1185,7 @@ def _check_logic(
                 if variable not in settable:
                     report(pos("nodes", name, "webhook", "send"),
                            f"node '{name}' sends variable '{variable}', which nothing sets")
+    _check_reading(script, tree, report, languages)
 
 
 def _check_speech(script: Script, tree: _Map, report: Callable[[tuple[int, int], str], None],
@@ -1319,6 +1354,112 @@ def _check_languages(
                 report(_key_position(tree, ("translations", language, prompt_name)),
                        f"the {language} '{prompt_name}' is never said: no node says "
                        f"'{prompt_name}' while the call speaks {language}")
+
+
+#: What the call's own variables hold, and the say-as types that can read it.
+_CALL_VARIABLE_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "caller": ("the caller's number", ("telephone", "digits", "characters")),
+    "called": ("the number the caller dialled", ("telephone", "digits", "characters")),
+    "call_id": ("the call's id", ("characters",)),
+    "language": ("the name of the call's language", ()),
+}
+
+
+def _check_reading(script: Script, tree: _Map, report: Callable[[tuple[int, int], str], None],
+                   languages: set[str]) -> None:
+    """The lexicon, and every say-as slot: a known type, one the libraries can say in each
+    language the sentence is spoken in, and a value it can read where the value is known
+    (a quoted literal, a call variable, a fixed value from 'variables' or 'set')."""
+    good = [entry for i, entry in enumerate(script.lexicon)
+            if check_lexicon_entry(entry, ("lexicon", i), tree, report, languages)]
+    # The slots are checked with the entries that compile (the others are reported above).
+    reader = _reader(script.voice.language, script.reading, tuple(good))
+    fixed: dict[str, list[tuple[str, str]]] = {}
+    for variable, value in script.variables.items():
+        fixed.setdefault(variable, []).append(("'variables' gives", value))
+    for name, node in script.nodes.items():
+        for variable, value in (node.assign or {}).items():
+            try:
+                parts = parse_template(value)
+            except ValueError:
+                continue  # reported where 'set' is checked
+            typed = [p for p in parts if isinstance(p, Slot) and p.kind is not None]
+            if typed:
+                report(_text_position(tree, ("nodes", name, "set", variable), typed[0].kind_at),
+                       f"node '{name}' sets '{variable}' with '{typed[0].source}': say-as "
+                       "types are for sentences a caller hears, a variable holds the value "
+                       "as written")
+            elif not any(isinstance(p, Slot) for p in parts):
+                fixed.setdefault(variable, []).append((f"node '{name}' sets", value))
+
+    def check(text: str, path: tuple[str | int, ...], spoken_in: list[str]) -> None:
+        try:
+            slots = template_slots(text)
+        except ValueError:
+            return  # reported with the sentence
+        for slot in slots:
+            if slot.kind is None:
+                continue
+            where = _text_position(tree, path, slot.kind_at)
+            problems = slot_problems(slot, spoken_in, reader)
+            for problem in problems:
+                report(where, problem)
+            if problems or slot.name is None:
+                continue
+            known = _CALL_VARIABLE_KINDS.get(slot.name)
+            if known is not None and slot.kind not in known[1]:
+                what, allowed = known
+                report(where, f"'{slot.source}' cannot apply: '{slot.name}' is {what}, "
+                              + (f"read as {' or '.join(allowed)}" if allowed
+                                 else "which no say-as type reads"))
+                continue
+            for origin, value in fixed.get(slot.name, []):
+                if not value.strip():
+                    continue
+                for name in dict.fromkeys(spoken_in):
+                    lang = reader.language(name)
+                    if lang is None:
+                        continue
+                    try:
+                        say_as(slot.kind, value, lang, reader.conventions)
+                    except GatewayError:
+                        report(where, f"'{slot.source}' cannot apply: {origin} '{slot.name}' "
+                                      f"the value {value!r}, which is not a {slot.kind}")
+                    break
+
+    home = script.voice.language
+    for prompt_name, text in script.prompts.items():
+        check(text, ("prompts", prompt_name), [home])
+    for language, texts in script.translations.items():
+        for prompt_name, text in texts.items():
+            check(text, ("translations", language, prompt_name), [language])
+    states = script.voice_states()
+    for path, item in _say_item_paths(script):
+        if script.is_prompt_ref(item):
+            continue
+        node_name = str(path[1])
+        spoken = [script.spoken_voice(item, voice).language
+                  for voice in states.get(node_name, [])]
+        if isinstance(item, Sentence):
+            check(item.text, (*path, "text"), spoken or [home])
+        else:
+            check(item, path, spoken or [home])
+
+
+def check_lexicon_entry(entry: LexiconEntry, path: tuple[str | int, ...], tree: Any,
+                        report: Callable[[tuple[int, int], str], None],
+                        languages: Iterable[str]) -> bool:
+    """Report a lexicon entry that does not compile, located at the very character (a script's
+    and a lines file's entries alike); True when it compiles."""
+    try:
+        compile_entry(entry)
+    except LexiconError as exc:
+        report(_text_position(tree, (*path, exc.field), exc.offset), f"lexicon: {exc.message}")
+        return False
+    if entry.language is not None:
+        _check_language(entry.language, _position(tree, (*path, "language")),
+                        set(languages), report)
+    return True
 
 
 def _check_hours(name: str, hours: Hours, tree: _Map, base: tuple[str, ...],

@@ -128,6 +128,9 @@ class VersionBuilder:
         contexts = {}
         for name, line in plan.lines.items():
             parts = prepared[line.path]
+            reader = line.reader()
+            # CLDR and phonenumbers data loaded now, not on a first caller's turn.
+            reader.warm(line.script.languages_spoken())
             contexts[name] = RunnerContext(
                 script=line.script,
                 cache=self.cache,
@@ -143,15 +146,19 @@ class VersionBuilder:
                 metrics=self.metrics,
                 line=name,
                 version=number,
+                reader=reader,
             )
         if not self.render_lazily:
             t0 = self.clock.now()
             hits = rendered = 0
-            for path, script in plan.scripts().items():
+            # Per script and the way its lines read it (a line's lexicon changes its words,
+            # and so its prompts' keys); two lines reading one script alike render it once.
+            readings = {(line.path, line.reader()): line.script for line in plan.lines.values()}
+            for (path, reader), script in readings.items():
                 parts = prepared[path]
                 h, r = await render_missing(script, self.cache, self.speech, engine.fingerprint,
                                             parts.voice, self.conditioning, parts.clones,
-                                            background=background)
+                                            background=background, reader=reader)
                 hits, rendered = hits + h, rendered + r
             log.info("prompts ready: %d cached, %d rendered in %.1f s", hits, rendered,
                      self.clock.now() - t0)

@@ -39,6 +39,9 @@ class Heard:
     cached: bool = False
     #: The caller barged in before it finished.
     interrupted: bool = False
+    #: The words the engine said (after say-as types, the lexicon and the free-text
+    #: normaliser; ``text`` is the sentence as written, its values filled in).
+    words: str = ""
 
 
 @dataclass

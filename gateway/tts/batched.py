@@ -19,16 +19,18 @@ advance (padding, prefilling turns, turns sitting a step out) are masked: their 
 to a scratch position nobody attends and their state is left as it was.
 
 The step reads and writes only static buffers, so on CUDA it is captured once per
-(batch bucket, attended length, top-k size) as a CUDA graph and replayed; on CPU the same body
-runs eagerly behind the same seam (:func:`capture`). The step's outputs reach the host in one
-copy per step for all rows (the codes for the codec, the next tokens for the EOS check): no
-host sync per row.
+(batch bucket, attended length) as a CUDA graph and replayed, every graph at warm-up; on CPU the
+same body runs eagerly behind the same seam (:func:`gateway.tts.graphs.capture`), or, with graphs
+forced on, through the capture stand-in that holds it to CUDA capture's rules (tests, dry runs).
+The step's outputs reach the host in one copy per step for all rows (the codes for the codec,
+the next tokens for the EOS check): no host sync per row.
 
 A new turn's prefill (its prompt through the talker, eagerly, in chunks of ``prefill_chunk``
-tokens) runs between steps; :mod:`gateway.tts.batch_loop` decides how much of it fits before
-the running rows need their next frame. Codec decoding is incremental per row
-(:class:`~gateway.tts.codec_stream.StreamingCodecDecoder`), chunked by each row's own
-:class:`~gateway.tts.chunking.ChunkPlanner`.
+tokens) runs between steps; :mod:`gateway.tts.scheduler` decides how much of it fits before
+the running rows need their next frame. Codec decoding is incremental, chunked by each row's
+own :class:`~gateway.tts.chunking.ChunkPlanner`, and batched: every row due a chunk of the same
+size decodes in one call of :class:`~gateway.tts.codec_batch.BatchedCodecDecoder` (a graph per
+chunk size and batch bucket in graph mode), and all their audio reaches the host in one copy.
 
 The pieces of qwen-tts / faster-qwen3-tts this reaches into are pinned by
 ``tests/test_tts_seam.py``: the talker and predictor forwards, which call only
@@ -49,6 +51,7 @@ import numpy as np
 
 from gateway.audio.condition import LeadingSilenceTrimmer
 from gateway.errors import EngineError
+from gateway.tts import cpu_linear
 from gateway.tts.batch_sampling import (
     DEFAULT_SAMPLING,
     DRAWS_PER_FRAME,
@@ -59,8 +62,16 @@ from gateway.tts.batch_sampling import (
     sample_rows,
 )
 from gateway.tts.chunking import ChunkPlanner
-from gateway.tts.codec_stream import StreamingCodecDecoder, WindowedCodecDecoder
-from gateway.tts.engine import BatchEngine, EngineRow, SpeechRequest, VoicePrompt
+from gateway.tts.codec_batch import BatchedCodecDecoder
+from gateway.tts.codec_stream import WindowedCodecDecoder
+from gateway.tts.engine import (
+    SAMPLES_PER_FRAME,
+    BatchEngine,
+    EngineRow,
+    SpeechRequest,
+    VoicePrompt,
+)
+from gateway.tts.graphs import DeviceEvent, capture
 from gateway.tts.qwen import (
     DEFAULT_CHUNK_SCHEDULE,
     DEFAULT_MODEL,
@@ -92,9 +103,9 @@ def batch_buckets(cap: int) -> tuple[int, ...]:
     return (*(b for b in BATCH_BUCKETS if b < cap), cap)
 
 
-def kv_len_for(need: int, max_seq_len: int, on_cuda: bool) -> int:
-    """Positions a step attends for a longest row of ``need`` keys (a graph shape on CUDA)."""
-    if on_cuda:
+def kv_len_for(need: int, max_seq_len: int, graphs: bool) -> int:
+    """Positions a step attends for a longest row of ``need`` keys (a graph shape with graphs)."""
+    if graphs:
         size = CUDA_KV_MIN
         while size < need:
             size *= 2
@@ -116,40 +127,6 @@ def _inference(method: _F) -> _F:
             return method(*args, **kwargs)
 
     return cast(_F, wrapper)
-
-
-class _EagerReplay:
-    """Stands in for ``torch.cuda.CUDAGraph`` on CPU: ``replay()`` runs the step eagerly."""
-
-    def __init__(self, step: Callable[[], None]) -> None:
-        self._step = step
-
-    def replay(self) -> None:
-        self._step()
-
-
-def capture(step: Callable[[], None], device: Any, pool: Any = None, warmup: int = 2) -> Any:
-    """The graph-capture seam: a CUDA graph of ``step`` on CUDA, an eager replayer elsewhere.
-
-    ``step`` reads and writes static buffers only (no host syncs, no shape changes), so
-    replaying the graph is running the step. Warm-up runs happen on a side stream as CUDA
-    graph capture requires; the caller makes them harmless (no row active).
-    """
-    import torch
-
-    if not str(device).startswith("cuda"):
-        return _EagerReplay(step)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        step()
-    torch.cuda.synchronize()
-    return graph
 
 
 @dataclass(eq=False)
@@ -180,6 +157,8 @@ class BatchRow:
     #: None while generating; then "eos" or "cap".
     finished: str | None = None
     output: _RowOutput | None = None
+    #: The row's slot of the batched codec decoder's state (stable for the row's life).
+    codec_slot: int = -1
     #: With ``record_codes``: each frame's codes ``[16]`` and each chunk's ``[n, 16]`` (host);
     #: with ``record_logits``: per step, the talker logits the next token was sampled from
     #: and the code predictor's logits ``[15, vocab]`` for codebooks 1-15.
@@ -200,7 +179,7 @@ class BatchRow:
     def frames_to_chunk(self) -> int:
         if self.output is None:
             return 0
-        return max(0, self.output.target - len(self.output.buffer))
+        return max(0, self.output.target - self.output.pending)
 
     def text_addend(self) -> Any:
         """What the talker adds to the next frame's embedding: the next trailing text token,
@@ -211,28 +190,33 @@ class BatchRow:
 
 
 class _RowOutput:
-    """One row's way from codes to audio: chunk plan, codec state, leading-silence trim."""
+    """One row's way from codes to audio: chunk plan, frames waiting to be decoded, trim.
 
-    def __init__(self, engine: BatchedQwenEngine, ref_codes: Any) -> None:
+    Incremental decoding keeps the row's codec state in the engine's batched decoder (at the
+    row's codec slot) and its waiting frames in the engine's pending-codes buffer; windowed
+    decoding (the reference mode) keeps a decoder and the frames here, per row.
+    """
+
+    def __init__(self, engine: BatchedQwenEngine, row: BatchRow) -> None:
         self.planner = ChunkPlanner(engine.chunk_schedule, adaptive=engine.adaptive_chunks)
         self.target = self.planner.next_size()
+        #: Frames generated and not yet decoded.
+        self.pending = 0
+        self.windowed: WindowedCodecDecoder | None = None
         self.buffer: list[Any] = []
-        tokenizer = engine.shared.base.model.speech_tokenizer
-        self.decoder: StreamingCodecDecoder | WindowedCodecDecoder = (
-            StreamingCodecDecoder(tokenizer.model.decoder)
-            if engine.codec_decode == "incremental" else WindowedCodecDecoder(tokenizer)
-        )
-        if ref_codes is not None:
-            # A cloned voice continues the reference clip's codec stream: prime the decoder
-            # with the reference frames and drop their audio.
-            self.decoder.prime(ref_codes)
+        if engine.codec_decode == "windowed":
+            self.windowed = WindowedCodecDecoder(engine.shared.base.model.speech_tokenizer)
+            if row.ref_codes is not None:
+                self.windowed.prime(row.ref_codes)
+        else:
+            engine._codec_start(row)
         self.trimmer = LeadingSilenceTrimmer() if engine.trim_leading_silence else None
 
 
 class BatchedQwenEngine(OverSharedModel, BatchEngine):
     """Streaming Qwen3-TTS for many turns at once on one device (see the module docstring).
 
-    The engine is driven by one thread: :class:`~gateway.tts.batch_loop.BatchLoop` in the
+    The engine is driven by one thread: :class:`~gateway.tts.core.EngineCore` in the
     gateway, or :meth:`stream` for a single turn (warm-up, tools). ``max_rows`` is the batch
     cap: how many turns generate at once (their KV rows are allocated up front).
     """
@@ -251,6 +235,7 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         adaptive_chunks: bool = True,
         prefill_chunk: int = 0,
         cuda_graphs: bool | None = None,
+        max_top_k: int | None = None,
         record_codes: bool = False,
         record_logits: bool = False,
         attn_implementation: str = "sdpa",
@@ -275,10 +260,13 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         self.trim_leading_silence = trim_leading_silence
         self.adaptive_chunks = adaptive_chunks
         self.prefill_chunk = prefill_chunk
-        #: CUDA graphs per bucket (default: on CUDA); False replays the same step eagerly.
+        #: Graph mode: the step captured per (bucket, attended length) at warm-up and replayed
+        #: (default: on CUDA). On a CPU it runs through the capture stand-in (tests, dry runs:
+        #: slower than eager, never chosen by default); False runs the step eagerly.
         self.cuda_graphs = self.on_cuda if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not self.on_cuda:
-            raise ValueError("CUDA graphs need a CUDA device")
+            log.warning("graph mode on %s: the step runs through the CUDA-graph capture "
+                        "stand-in (for tests and dry runs; slower than eager)", self.device)
         #: Test and benchmark hooks: keep every row's codes / talker logits per frame.
         self.record_codes = record_codes
         self.record_logits = record_logits
@@ -289,26 +277,51 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         self.vocab = int(self._config.vocab_size)
         self.num_code_groups = int(self._config.num_code_groups)
         self._pred_vocab = int(self._talker.code_predictor.config.vocab_size)
+        #: The largest top-k a request may ask for in graph mode (0, "off", is the whole
+        #: vocabulary). The sorted-candidate count (:func:`kcap_for`) is a shape, so graphs
+        #: are captured for this envelope once, at warm-up, and never while serving; a
+        #: narrower request samples the same tokens from it. Eager steps follow their rows.
+        top = max_top_k if max_top_k is not None else max(DEFAULT_SAMPLING.top_k,
+                                                          DEFAULT_SAMPLING.predictor_top_k)
+        if top < 0:
+            raise ValueError("max_top_k must be >= 0 (0: the whole vocabulary)")
+        self.max_top_k = top
+        self._tk = kcap_for([top], self.vocab)
+        self._pk = kcap_for([top], self._pred_vocab)
         self._prompts = _prompt_builder(shared, self.max_seq_len)
         self._epoch = 0
         self._rows: list[BatchRow] = []
         #: Graph (or eager replayer) per (bucket, kv_len, talker kcap, predictor kcap).
         self._graphs: dict[tuple[int, int, int, int], Any] = {}
         self.captures = 0
+        #: Seconds spent capturing at the last warm-up or rebuild.
+        self.capture_s = 0.0
         self._owner: object | None = None
+        self._serving = False
+        #: With ``record_codes``: each chunk's codes of the last turn :meth:`stream` ran.
+        self.last_codes: list[Any] = []
         self._allocate()
         log.info(
             "batched engine %s: batch cap %d rows; talker KV %.1f MiB per row (%d positions), "
             "%.1f MiB for all rows; CUDA graphs %s",
             self.name, self.max_rows, self.kv_bytes_per_row / 2**20, self.max_seq_len,
-            self.kv_bytes_total / 2**20, "on" if self.cuda_graphs else "off (eager step)",
+            self.kv_bytes_total / 2**20, self.graph_mode,
         )
+
+    @property
+    def graph_mode(self) -> str:
+        """How the step runs: CUDA graphs, the capture stand-in, or eagerly."""
+        if not self.cuda_graphs:
+            return "off (eager step)"
+        return "on" if self.on_cuda else "stand-in (CPU, tests and dry runs)"
 
     # --- Engine API ---------------------------------------------------------------------------
 
     @property
     def name(self) -> str:
-        return f"qwen3-tts {self.model_id} on {self.device} (batched, {self.max_rows} rows)"
+        graphs = ", graph stand-in" if self.cuda_graphs and not self.on_cuda else ""
+        return (f"qwen3-tts {self.model_id} on {self.device} "
+                f"(batched, {self.max_rows} rows{graphs})")
 
     @property
     def kv_bytes_per_row(self) -> int:
@@ -328,7 +341,6 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         return self.max_rows - len(self._rows)
 
     def validate(self, request: SpeechRequest) -> None:
-        super().validate(request)
         kind = self.shared.model_type
         if request.voice_prompt is None and kind != "custom_voice":
             raise ValueError(
@@ -341,7 +353,19 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
                 f"cloned voice {request.voice_prompt.name!r} needs a Base model "
                 f"(e.g. Qwen/Qwen3-TTS-12Hz-0.6B-Base); {self.model_id} is {kind!r}"
             )
-        (request.sampling or DEFAULT_SAMPLING).validate()
+        super().validate(request)
+        sampling = request.sampling or DEFAULT_SAMPLING
+        sampling.validate()
+        if self.cuda_graphs and (
+            kcap_for([sampling.top_k], self.vocab) > self._tk
+            or kcap_for([sampling.predictor_top_k], self._pred_vocab) > self._pk
+        ):
+            raise ValueError(
+                f"sampling top_k {sampling.top_k} / predictor_top_k {sampling.predictor_top_k} "
+                f"needs more candidates than this engine's graphs were captured for (top-k up to "
+                f"{self.max_top_k or 'the whole vocabulary'}; max_top_k, 0 for the whole "
+                "vocabulary)"
+            )
 
     def warmup(self, voices: Sequence[tuple[str, str] | VoicePrompt] = ()) -> None:
         """Capture the CUDA graphs of every bucket (GPU), then one turn per voice.
@@ -400,6 +424,8 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
                 elif row.finished is not None and audio is None:
                     return
         finally:
+            # With ``record_codes``, what the last solo turn generated, chunk by chunk.
+            self.last_codes = list(row.chunks)
             if row.epoch == self._epoch and row in self._rows:
                 self.close(row)
 
@@ -420,8 +446,10 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
     # --- rows -----------------------------------------------------------------------------------
 
     def claim(self, owner: object) -> None:
-        """Mark the engine as driven by ``owner`` (its :meth:`stream` then refuses to run)."""
+        """Mark the engine as driven by ``owner`` (its :meth:`stream` then refuses to run);
+        ``None`` releases it (the core stopped)."""
         self._owner = owner
+        self._serving = owner is not None
 
     @_inference
     def open(self, request: SpeechRequest) -> BatchRow:
@@ -464,6 +492,7 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
             min_frames=max(2, request.min_frames or 0),
             index=len(self._rows), epoch=self._epoch, draws=RowDraws(seed),
             prompt=tie, trailing=tth[0], pad_embed=tpe[0, 0], ref_codes=ref_codes,
+            codec_slot=self._free_slots.pop(),
         )
         self._rows.append(row)
         return row
@@ -593,7 +622,7 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
             buffer[i] = value
         row.length = length
         row.ready = True
-        row.output = _RowOutput(self, row.ref_codes)
+        row.output = _RowOutput(self, row)
 
     @_inference
     def close(self, row: EngineRow) -> None:
@@ -601,6 +630,7 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         row = self._own(row)
         index = row.index
         self._rows.remove(row)
+        self._free_slots.append(row.codec_slot)
         row.epoch = -1
         last = len(self._rows)
         if index == last:
@@ -641,19 +671,22 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         for row in rows:
             if not row.ready or row.finished is not None:
                 raise ValueError("only ready, unfinished rows can step")
+            if row.output is not None and row.output.pending >= self._max_chunk:
+                raise ValueError("a row's due chunk must be decoded before it steps again")
         index = [row.index for row in rows]
         if self.cuda_graphs:
             # A graph per batch bucket: the step runs at the bucket, padding rows masked.
             bucket = bucket_for(len(self._rows), self._cap)
+            tk, pk = self._tk, self._pk
         else:
             # Eager there is nothing to pad for: rows [0, highest stepping row] only. Rows are
             # kept compact (close moves the last into the gap), so 5 rows cost 5, not 8, and a
             # newcomer still prefilling in the last row is not computed as a masked row.
             bucket = max(index) + 1
+            tk = kcap_for([row.sampling.top_k for row in rows], self.vocab)
+            pk = kcap_for([row.sampling.predictor_top_k for row in rows], self._pred_vocab)
         need = max(row.length for row in rows) + 1
         kv_len = kv_len_for(need, self.max_seq_len, self.cuda_graphs)
-        tk = kcap_for([row.sampling.top_k for row in rows], self.vocab)
-        pk = kcap_for([row.sampling.predictor_top_k for row in rows], self._pred_vocab)
 
         active = self._active_host
         active.zero_()
@@ -668,24 +701,35 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
             self._active[:bucket].copy_(active[:bucket], non_blocking=True)
             self._uniforms[:bucket].copy_(uniforms[:bucket], non_blocking=True)
 
+        t_device = time.perf_counter()
         self._replayer(bucket, kv_len, tk, pk).replay()
 
         codes = self._out_codes[:bucket].clone()
-        if self.on_cuda:
+        if self._codes_host is not None:
+            # Device buffers (CUDA, or graph mode): one copy out and one sync per step, for
+            # every row at once.
             host_codes = self._codes_host[:bucket]
             host_next = self._next_host[:bucket]
             host_codes.copy_(codes, non_blocking=True)
             host_next.copy_(self._token[:bucket], non_blocking=True)
             self._done.record()
-            self._done.synchronize()  # one sync per step, for every row at once
+            self._done.synchronize()
             next_tokens = host_next.tolist()
         else:
             host_codes = codes
             next_tokens = self._token[:bucket].tolist()
+        self.device_s += time.perf_counter() - t_device
+        if self._codec is not None:
+            # Every advancing row's new frame into its pending codes, in one indexed write.
+            slots = [row.codec_slot for row in rows]
+            at = [row.output.pending for row in rows if row.output is not None]
+            self._pending_codes[slots, at] = codes[index]
         for row in rows:
             i = row.index
             assert row.output is not None
-            row.output.buffer.append(codes[i])
+            if self._codec is None:
+                row.output.buffer.append(codes[i])
+            row.output.pending += 1
             if self.record_codes:
                 row.codes.append(host_codes[i].clone())
             if self.record_logits:
@@ -699,43 +743,180 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
                 row.finished = "cap"
         return bucket
 
-    @_inference
-    def next_chunk(self, row: EngineRow) -> np.ndarray | None:
-        """Decode ``row``'s next chunk if it is due (its planned size, or the row finished).
+    def drop_pending(self, row: EngineRow) -> None:
+        """Forget ``row``'s frames not decoded yet (benchmarks and tests that measure or check
+        the step alone; the row's audio then skips them)."""
+        own = self._own(row)
+        if own.output is not None:
+            own.output.pending = 0
+            own.output.buffer.clear()
 
-        Returns the 24 kHz audio (possibly empty while leading silence is trimmed) or None
-        when nothing is due.
+    def next_chunk(self, row: EngineRow) -> np.ndarray | None:
+        """:meth:`next_chunks` for one row."""
+        return self.next_chunks([row])[0]
+
+    @_inference
+    def next_chunks(self, rows: Sequence[EngineRow]) -> list[np.ndarray | None]:
+        """Decode the next chunk of every row in ``rows`` that has one due (its planned size,
+        or the row finished); for each row its 24 kHz audio (possibly empty while leading
+        silence is trimmed) or None when nothing is due.
+
+        Incremental decoding runs the due rows together, one call per chunk size (a graph each
+        per batch bucket in graph mode), and brings all their audio to the host in one copy.
         """
         import torch
 
-        row = self._own(row)
+        own = [self._own(row) for row in rows]
+        due: dict[int, list[BatchRow]] = {}
+        for row in own:
+            out = row.output
+            if out is None or not out.pending:
+                continue
+            if out.pending < out.target and row.finished is None:
+                continue
+            due.setdefault(out.pending, []).append(row)
+        results: dict[int, np.ndarray] = {}
+        if self._codec is None:
+            for group in due.values():
+                for row in group:
+                    results[id(row)] = self._decode_windowed(row)
+        elif due:
+            parts = []
+            for n, group in due.items():
+                for start in range(0, len(group), self._cap):
+                    chunk = group[start : start + self._cap]
+                    parts.append((chunk, n, self._decode_group(chunk, n)))
+            # One copy to the host for every row's audio.
+            t_device = time.perf_counter()
+            host = torch.cat([audio.reshape(-1) for _g, _n, audio in parts]).float().cpu()
+            flat = host.numpy()
+            self.device_s += time.perf_counter() - t_device
+            offset = 0
+            for group, n, _audio in parts:
+                size = n * SAMPLES_PER_FRAME
+                for row in group:
+                    results[id(row)] = flat[offset : offset + size]
+                    offset += size
+        chunks: list[np.ndarray | None] = []
+        for row in own:
+            audio = results.get(id(row))
+            if audio is None:
+                chunks.append(None)
+                continue
+            out = row.output
+            assert out is not None
+            out.planner.chunk_done(out.pending)
+            out.pending = 0
+            out.target = out.planner.next_size()
+            if out.trimmer is not None:
+                audio = out.trimmer.push(audio)
+            chunks.append(audio)
+        return chunks
+
+    def _decode_windowed(self, row: BatchRow) -> np.ndarray:
+        import torch
+
         out = row.output
-        if out is None or not out.buffer:
-            return None
-        if len(out.buffer) < out.target and row.finished is None:
-            return None
-        frames = len(out.buffer)
+        assert out is not None and out.windowed is not None
         codes = torch.stack(out.buffer)
         out.buffer = []
         if self.record_codes:
             row.chunks.append(codes.cpu())
-        audio = out.decoder.decode(codes)
-        out.planner.chunk_done(frames)
-        out.target = out.planner.next_size()
-        if out.trimmer is not None:
-            audio = out.trimmer.push(audio)
+        return out.windowed.decode(codes)
+
+    def _decode_group(self, rows: list[BatchRow], n: int) -> Any:
+        """Decode ``n`` pending frames of each of ``rows`` in one call; their audio on the
+        device ``[len(rows), n * 1920]``."""
+        import torch
+
+        codec = self._codec
+        assert codec is not None
+        count = len(rows)
+        bucket = bucket_for(count, self._cap) if self.cuda_graphs else count
+        slots = [row.codec_slot for row in rows] + [codec.scratch] * (bucket - count)
+        self._codec_index[:bucket].copy_(torch.tensor(slots), non_blocking=True)
+        if self.record_codes:
+            for row in rows:
+                row.chunks.append(self._pending_codes[row.codec_slot, :n].to("cpu", copy=True))
+        replayer = self._codec_replayer(n, bucket)
+        t_device = time.perf_counter()
+        replayer.replay()
+        audio = self._codec_out[:count, : n * SAMPLES_PER_FRAME].clone()
+        self.device_s += time.perf_counter() - t_device
         return audio
 
+    def _codec_replayer(self, n: int, bucket: int) -> Any:
+        key = (n, bucket)
+        graph = self._codec_graphs.get(key)
+        if graph is None:
+            codec = self._codec
+            assert codec is not None
+
+            def run() -> None:
+                index = self._codec_index[:bucket]
+                codes = self._pending_codes.index_select(0, index)[:, :n]
+                audio = codec.decode(index, codes)
+                self._codec_out[:bucket, : n * SAMPLES_PER_FRAME].copy_(audio)
+
+            if self.cuda_graphs:
+                if self._serving:
+                    log.warning("capturing a codec graph while serving (%d frames, %d rows)",
+                                n, bucket)
+                # Capture warm-ups decode for real: into the scratch slot only.
+                saved = self._codec_index[:bucket].clone()
+                self._codec_index[:bucket].fill_(codec.scratch)
+                graph = capture(run, self.device, self._pool, static=self._static,
+                                host=self._host)
+                self._codec_index[:bucket].copy_(saved)
+                ops = getattr(graph, "ops", None)
+                log.info("captured codec graph: %d frames x %d rows%s", n, bucket,
+                         f" (stand-in, {ops} operators)" if ops else "")
+            else:
+                graph = capture(run, self.device, graphs=False)
+            self._codec_graphs[key] = graph
+        return graph
+
+    def _codec_start(self, row: BatchRow) -> None:
+        """A new row's codec slot starts an utterance (a cloned voice: primed with the
+        reference clip's frames, their audio dropped)."""
+        import torch
+
+        codec = self._codec
+        assert codec is not None
+        codec.reset(row.codec_slot)
+        if row.ref_codes is not None:
+            index = torch.tensor([row.codec_slot], device=self.device)
+            codec.decode(index, row.ref_codes.to(self.device)[None])
+
+    @_inference
     def capture_all(self) -> None:
-        """Capture the step for every batch bucket and attended length (default sampling)."""
-        tk = kcap_for([DEFAULT_SAMPLING.top_k], self.vocab)
-        pk = kcap_for([DEFAULT_SAMPLING.predictor_top_k], self._pred_vocab)
-        lengths = sorted({kv_len_for(n, self.max_seq_len, True)
-                          for n in (1, *(2**k for k in range(8, 16)))
-                          if n <= self.max_seq_len})
+        """Capture the step for every batch bucket and attended length (graph mode).
+
+        The sampling shape is the engine's envelope (``max_top_k``), the same for every step,
+        so after this nothing is captured while serving. Runs under inference mode, as every
+        engine buffer was made there (an in-place write to one outside it is refused).
+        """
+        t0 = time.perf_counter()
+        before = self.captures
         for bucket in batch_buckets(self._cap):
-            for kv_len in lengths:
-                self._replayer(bucket, kv_len, tk, pk)
+            for kv_len in self.kv_lengths():
+                self._replayer(bucket, kv_len, self._tk, self._pk)
+        if self._codec is not None:
+            # The codec: every chunk size a row can be due (up to the schedule's largest) at
+            # every batch bucket.
+            for n in range(1, self._max_chunk + 1):
+                for bucket in batch_buckets(self._cap):
+                    self._codec_replayer(n, bucket)
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %d step graph(s) (%d batch buckets x %d attended lengths, top-k %d/%d)"
+                 " and %d codec graph(s) in %.2f s (%s)", self.captures - before,
+                 len(batch_buckets(self._cap)), len(self.kv_lengths()), self._tk, self._pk,
+                 len(self._codec_graphs), self.capture_s, self.graph_mode)
+
+    def kv_lengths(self) -> list[int]:
+        """The attended lengths a graph-mode step can run at (one graph each per bucket)."""
+        return sorted({kv_len_for(n, self.max_seq_len, True)
+                       for n in (1, *(2**k for k in range(8, 16))) if n <= self.max_seq_len})
 
     def _replayer(self, bucket: int, kv_len: int, tk: int, pk: int) -> Any:
         key = (bucket, kv_len, tk, pk)
@@ -745,16 +926,21 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
                 self._step_body(bucket, kv_len, tk, pk)
 
             if self.cuda_graphs:
+                if self._serving:
+                    log.warning("capturing a step graph while serving (batch %d, %d positions): "
+                                "a stall for every live turn", bucket, kv_len)
                 # Capture warm-ups run the step for real: with no row active they change
                 # nothing but scratch positions and output buffers.
                 saved = self._active.clone()
                 self._active.zero_()
-                graph = capture(run, self.device, self._pool)
+                graph = capture(run, self.device, self._pool, static=self._static,
+                                host=self._host)
                 self._active.copy_(saved)
-                log.info("captured step graph: batch %d, %d positions, top-k %d/%d",
-                         bucket, kv_len, tk, pk)
+                ops = getattr(graph, "ops", None)
+                log.info("captured step graph: batch %d, %d positions, top-k %d/%d%s", bucket,
+                         kv_len, tk, pk, f" (stand-in, {ops} operators)" if ops else "")
             else:
-                graph = capture(run, self.device)
+                graph = capture(run, self.device, graphs=False)
             self.captures += 1
             self._graphs[key] = graph
         return graph
@@ -882,19 +1068,38 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
             pin = self.on_cuda
             self._active_host = torch.zeros(cap, dtype=torch.bool, pin_memory=pin)
             self._uniform_host = torch.zeros(cap, DRAWS_PER_FRAME, dtype=f32, pin_memory=pin)
-            if self.on_cuda:
+            self._done = DeviceEvent(self.on_cuda)
+            self._pool = (torch.cuda.graph_pool_handle()
+                          if self.on_cuda and self.cuda_graphs else None)
+            if self.on_cuda or self.cuda_graphs:
+                # The step reads device buffers that the host's staging buffers are copied
+                # into, and its outputs come back through host buffers in one copy per step
+                # (in graph mode on a CPU too, so the stand-in checks that path).
                 self._active = torch.zeros(cap, dtype=torch.bool, device=dev)
                 self._uniforms = torch.zeros(cap, DRAWS_PER_FRAME, dtype=f32, device=dev)
-                self._codes_host = torch.zeros(cap, self.num_code_groups, dtype=long,
-                                               pin_memory=True)
-                self._next_host = torch.zeros(cap, dtype=long, pin_memory=True)
-                self._done = torch.cuda.Event()
-                self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+                self._codes_host: Any = torch.zeros(cap, self.num_code_groups, dtype=long,
+                                                    pin_memory=pin)
+                self._next_host: Any = torch.zeros(cap, dtype=long, pin_memory=pin)
             else:
-                # On CPU the step reads the host staging buffers directly.
+                # Eager on a CPU the step reads the host staging buffers directly.
                 self._active = self._active_host
                 self._uniforms = self._uniform_host
-                self._pool = None
+                self._codes_host = self._next_host = None
+            # The batched codec: per-row decoder state at stable slots, each row's frames
+            # waiting to be decoded, and the decode's static inputs and outputs.
+            self._max_chunk = max(self.chunk_schedule)
+            self._codec: BatchedCodecDecoder | None = None
+            self._free_slots = list(range(cap - 1, -1, -1))
+            self._codec_graphs: dict[tuple[int, int], Any] = {}
+            if self.codec_decode == "incremental":
+                decoder = self.shared.base.model.speech_tokenizer.model.decoder
+                self._codec = BatchedCodecDecoder(decoder, slots=cap)
+            self._pending_codes = torch.zeros(cap + 1, self._max_chunk, self.num_code_groups,
+                                              dtype=long, device=dev)
+            self._codec_index = torch.zeros(cap, dtype=long, device=dev)
+            codec_dtype = self._codec.dtype if self._codec is not None else f32
+            self._codec_out = torch.zeros(cap, self._max_chunk * SAMPLES_PER_FRAME,
+                                          dtype=codec_dtype, device=dev)
             self._key_index = torch.arange(self.max_seq_len, device=dev)
             self._cache_position = torch.zeros(1, dtype=long, device=dev)
             self._pred_positions = [torch.arange(2, device=dev)] + [
@@ -910,6 +1115,24 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
             eos = torch.zeros(self.vocab, dtype=torch.bool, device=dev)
             eos[self.eos_id] = True
             self._eos_column = eos
+            #: What a captured step may read and write (graph mode checks it against these):
+            #: the talker's and predictor's weights, the caches and every state buffer ...
+            self._static = [
+                *self._talker.parameters(), *self._talker.buffers(),
+                *cpu_linear.packed_weights(self._talker),
+                *self._kv.keys, *self._kv.values, *self._pcache.keys, *self._pcache.values,
+                *self._state, self._addend, self._out_codes, self._out_logits,
+                self._out_plogits, self._active, self._uniforms, self._key_index,
+                self._cache_position, *self._pred_positions, self._suppress, self._eos_column,
+                *self.shared.base.model.speech_tokenizer.model.decoder.parameters(),
+                *self.shared.base.model.speech_tokenizer.model.decoder.buffers(),
+                *(self._codec.tensors() if self._codec is not None else ()),
+                self._pending_codes, self._codec_index, self._codec_out,
+            ]
+            #: ... and what it must not touch: the host side of the staging copies.
+            self._host = [t for t in (self._active_host, self._uniform_host, self._codes_host,
+                                      self._next_host) if t is not None and
+                          t is not self._active and t is not self._uniforms]
 
 
 def _prompt_builder(shared: QwenModel, max_seq_len: int) -> Any:

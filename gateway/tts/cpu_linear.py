@@ -90,6 +90,11 @@ class PackedLinear(torch.nn.Module):
                 f"bias={self.bias is not None}, kernel=onednn")
 
 
+def packed_weights(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The reordered weights under ``module`` (plain attributes, so ``buffers()`` misses them)."""
+    return [m.packed for m in module.modules() if isinstance(m, PackedLinear)]
+
+
 def install(module: torch.nn.Module) -> int:
     """Replace every fp32 CPU ``nn.Linear`` under ``module`` with at least
     :data:`MIN_WEIGHTS` weights by a :class:`PackedLinear`.

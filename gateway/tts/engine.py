@@ -7,7 +7,7 @@ reusable. Engines are synchronous and not thread-safe.
 
 A :class:`BatchEngine` (the gateway's default, :class:`gateway.tts.batched.BatchedQwenEngine`)
 is an engine that also exposes its rows, so that one loop per device
-(:mod:`gateway.tts.batch_loop`) can advance every active turn in one batched step. A plain
+(:mod:`gateway.tts.core`) can advance every active turn in one batched step. A plain
 :class:`Engine` serves one request at a time; the slot scheduler in :mod:`gateway.tts.service`
 runs several of them side by side (the baseline the batching benchmark compares against).
 """
@@ -207,7 +207,7 @@ class EngineRow(Protocol):
 
 
 class BatchEngine(Engine):
-    """An engine whose rows one loop advances together (see :mod:`gateway.tts.batch_loop`).
+    """An engine whose rows one loop advances together (see :mod:`gateway.tts.core`).
 
     The loop calls, from its one thread: :meth:`open` for a new turn, :meth:`prefill` until
     the row is ready, :meth:`step` for the rows that advance now, :meth:`next_chunk` for each
@@ -219,6 +219,10 @@ class BatchEngine(Engine):
     max_rows: int
     #: Tokens per prefill chunk (0: whole prompts), fixed per engine.
     prefill_chunk: int
+    #: Seconds spent on (or waiting for) the device so far: graph replays or eager device
+    #: work, device-to-host copies; the rest of an engine call is host work. The core reads
+    #: it to report host time per step (``gateway_tts_step_host_seconds``).
+    device_s: float = 0.0
 
     @property
     @abc.abstractmethod
@@ -227,7 +231,8 @@ class BatchEngine(Engine):
 
     @abc.abstractmethod
     def claim(self, owner: object) -> None:
-        """Mark the engine as driven by ``owner`` (its own :meth:`stream` then refuses)."""
+        """Mark the engine as driven by ``owner`` (its own :meth:`stream` then refuses);
+        ``None`` releases it."""
 
     @abc.abstractmethod
     def open(self, request: SpeechRequest) -> EngineRow:
@@ -251,6 +256,11 @@ class BatchEngine(Engine):
     @abc.abstractmethod
     def next_chunk(self, row: EngineRow) -> np.ndarray | None:
         """The row's next audio chunk if one is due (possibly empty), else None."""
+
+    def next_chunks(self, rows: Sequence[EngineRow]) -> list[np.ndarray | None]:
+        """:meth:`next_chunk` of every row in ``rows`` (decoded together where the engine
+        can). A finished row's chunk holds all its remaining frames. Default: row by row."""
+        return [self.next_chunk(row) for row in rows]
 
     @abc.abstractmethod
     def close(self, row: EngineRow) -> None:

@@ -1,41 +1,31 @@
-"""Qwen3-TTS streaming engine: faster-qwen3-tts's CUDA graphs on a GPU, the same loop eager on CPU.
+"""Qwen3-TTS weights and what every engine over them shares.
 
 Loading is the real path: ``qwen_tts.Qwen3TTSModel.from_pretrained`` of a Hugging Face model id
-or a local directory. Generation is our own streaming loop over faster-qwen3-tts's two step
-functions (the talker's one-token decode over a static KV cache, and the code predictor's
-15-step loop), because the library's loop has a fixed chunk size and calls
-``torch.cuda.synchronize`` unconditionally. Owning the loop gives us:
+or a local directory (:class:`QwenModel`, once per device), on the device
+:func:`~gateway.tts.device.resolve_device` chooses. The gateway's engine over it is
+:class:`gateway.tts.batched.BatchedQwenEngine`; the batch-1 slot engine it replaced lives in
+``bench/slot_engine.py`` as the batching benchmark's baseline.
 
-- a growing chunk schedule (first chunk of 1-2 codec frames: the first chunk sets the latency,
-  later chunks only have to stay ahead of playback);
-- a CPU path that is the *same* loop: on CPU the "graphs" are replaced at one seam
-  (:class:`_EagerReplay` stands in for ``torch.cuda.CUDAGraph``) so streaming, chunking, codec
-  windowing and cancellation behave identically and are tested on CPU with the tiny checkpoint.
-
-The seam is pinned to faster-qwen3-tts 0.2.6 / qwen-tts 0.1.1 (see pyproject.toml);
-``tests/test_tts_seam.py`` fails loudly if either library changes the pieces we rely on.
+The pieces of qwen-tts / faster-qwen3-tts this reaches into are pinned (see pyproject.toml);
+``tests/test_tts_seam.py`` fails loudly if either library changes them.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import math
 import os
+import shutil
+import tempfile
 import threading
-import time
-import weakref
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from gateway.audio.condition import LeadingSilenceTrimmer
-from gateway.errors import EngineError, ModelLoadError
-from gateway.tts.chunking import ChunkPlanner
-from gateway.tts.codec_stream import StreamingCodecDecoder, WindowedCodecDecoder
-from gateway.tts.engine import Engine, Sampling, SpeechRequest, VoicePrompt
+from gateway.errors import ModelLoadError
+from gateway.tts.device import resolve_device
 
 log = logging.getLogger(__name__)
 # faster-qwen3-tts warns at construction that it "could not infer sample rate ... defaulting to
@@ -48,53 +38,6 @@ DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
 CODEC_LEFT_CONTEXT = 25
 #: Default codec frames per chunk: 1 frame (80 ms) first, then growing; the last value repeats.
 DEFAULT_CHUNK_SCHEDULE = (1, 2, 4, 8)
-
-
-class _EagerReplay:
-    """Stands in for ``torch.cuda.CUDAGraph`` on CPU: ``replay()`` runs the captured step eagerly.
-
-    faster-qwen3-tts's ``PredictorGraph.run`` / ``TalkerGraph.run`` fill static input buffers,
-    call ``self.graph.replay()`` and read static output buffers. Swapping the graph object for
-    this keeps every other line of their code path, buffers and static caches identical.
-    """
-
-    def __init__(self, step: Callable[[], Any]) -> None:
-        # ``step`` is a method of the graph holder that keeps this replayer: a strong reference
-        # would make a cycle, and a ready gateway freezes its start-up heap out of the cycle
-        # collector (gateway/heap.py), so the start-up holders a CPU rebuild replaces (their
-        # static caches) would stay until the gateway stops. Weakly: the holder goes when its
-        # owner drops it.
-        self._step = weakref.WeakMethod(step)
-
-    def replay(self) -> None:
-        step = self._step()
-        if step is None:
-            raise RuntimeError("eager replay after its graph holder was freed")
-        step()
-
-
-def _eager_capture(graph_obj: Any) -> None:
-    """CPU replacement for ``PredictorGraph.capture`` / ``TalkerGraph.capture``.
-
-    Does what capture does minus the CUDA stream/graph work: initialise the static cache layers
-    and precompute the attention masks, then install an eager replayer.
-    """
-    graph_obj._init_cache_layers()
-    graph_obj._build_attention_masks()
-    step = graph_obj._full_loop if hasattr(graph_obj, "_full_loop") else graph_obj._decode_step
-    graph_obj.graph = _EagerReplay(step)
-    graph_obj.captured = True
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when a CUDA device exists, else ``cpu``."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError("--device cuda was requested but no CUDA device is available")
-    return device
 
 
 def parse_chunk_schedule(spec: str | Sequence[int]) -> tuple[int, ...]:
@@ -139,8 +82,23 @@ def resolve_model(model: str) -> str:
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen3-tts-gateway"
     target = cache / "tiny-custom_voice"
-    if not (target / "model.safetensors").exists() or not _tiny_is_current(target):
-        tiny.build_tiny_checkpoint(target)
+    if not _tiny_is_current(target):
+        cache.mkdir(parents=True, exist_ok=True)
+        # One builder at a time (several processes start at once: test workers, a gateway
+        # and its tools), and never a half-written checkpoint where a reader looks: it is
+        # built beside the target and moved into place whole, so a build killed midway
+        # leaves nothing a later run would take for a checkpoint.
+        with open(cache / "tiny-custom_voice.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _tiny_is_current(target):
+                building = Path(tempfile.mkdtemp(prefix=".tiny-building-", dir=cache))
+                try:
+                    tiny.build_tiny_checkpoint(building)
+                    if target.exists():
+                        shutil.rmtree(target)
+                    os.replace(building, target)
+                finally:
+                    shutil.rmtree(building, ignore_errors=True)
     log.warning("model 'tiny': random weights from %s; callers will hear noise", target)
     return str(target)
 
@@ -152,6 +110,8 @@ def _tiny_is_current(target: Path) -> bool:
 
     from gateway.tts.tiny import TINY_MAX_NEW_TOKENS
 
+    if not (target / "model.safetensors").exists():
+        return False
     try:
         generation = json.loads((target / "generation_config.json").read_text())
     except (OSError, ValueError):
@@ -166,7 +126,7 @@ def _looks_like_path(model: str) -> bool:
 class QwenModel:
     """Qwen3-TTS weights loaded once per device, shared by every engine slot on it.
 
-    Each slot (:class:`QwenEngine`) owns its static KV caches and CUDA graphs; the modules
+    Each engine over it owns its static KV caches and CUDA graphs; the modules
     themselves are shared read-only. The one piece of mutable module state, the talker's
     ``rope_deltas`` written during prefill, is guarded by :attr:`prefill_lock`.
 
@@ -195,10 +155,11 @@ class QwenModel:
         self.device = resolve_device(device)
         self.base, self.torch_dtype = _load_base(model, self.device, dtype, attn_implementation)
         inner = self.base.model
-        if not self.on_cuda and attn_implementation == "sdpa":
+        if attn_implementation == "sdpa":
             from gateway.tts import attention
 
-            # The batched step's masked attention without a copy of every key and value head.
+            # The batched step's masked attention without a copy of every key and value head
+            # (on the CPU through SDPA's own GQA, on CUDA by folding the query heads).
             attention.install(inner)
         if not self.on_cuda and cpu_linear == "onednn":
             # Every frame on the CPU is almost all the talker's matrix products: oneDNN over
@@ -289,337 +250,6 @@ class OverSharedModel:
         return self.shared.languages
 
 
-class QwenEngine(OverSharedModel, Engine):
-    """One engine slot: streaming Qwen3-TTS on CUDA graphs, or the same loop eager on CPU.
-
-    ``model`` is a model id / directory (the slot loads its own weights) or a shared
-    :class:`QwenModel` (slots on one GPU share weights and hold their own caches and graphs).
-    """
-
-    def __init__(
-        self,
-        model: str | QwenModel = DEFAULT_MODEL,
-        device: str = "auto",
-        dtype: str = "auto",
-        chunk_schedule: str | Sequence[int] = DEFAULT_CHUNK_SCHEDULE,
-        max_seq_len: int | None = None,
-        codec_decode: str = "incremental",
-        trim_leading_silence: bool = True,
-        adaptive_chunks: bool = True,
-        attn_implementation: str = "sdpa",
-        record_codes: bool = False,
-    ) -> None:
-        shared = model if isinstance(model, QwenModel) else QwenModel(
-            model, device, dtype, attn_implementation
-        )
-        if codec_decode not in ("incremental", "windowed"):
-            raise ValueError("codec_decode must be 'incremental' or 'windowed'")
-        self.shared = shared
-        self.model_id = shared.model_id
-        self.device = shared.device
-        self.chunk_schedule = parse_chunk_schedule(chunk_schedule)
-        # The talker's static cache and its per-position mask table scale with max_seq_len;
-        # 1024 positions still leave ~70 s of speech after a long prompt, and keep CPU set-up
-        # short (the 2048-entry mask table alone takes ~0.8 s on a 2-core CPU).
-        self.max_seq_len = max_seq_len or (2048 if shared.on_cuda else 1024)
-        self.codec_decode = codec_decode
-        self.trim_leading_silence = trim_leading_silence
-        self.adaptive_chunks = adaptive_chunks
-        self._wrapper = _graph_holders(shared, self.max_seq_len)
-        self._base = shared.base
-        #: With ``record_codes`` (tests and debugging compare decodes): the codec frames of the
-        #: most recent stream, chunk by chunk. Off in production: a slot would otherwise hold
-        #: its last utterance's code tensors until its next one, for as long as it is idle.
-        self.record_codes = record_codes
-        self.last_codes: list[Any] = []
-
-    # --- Engine API ---------------------------------------------------------------------------
-
-    @property
-    def name(self) -> str:
-        return f"qwen3-tts {self.model_id} on {self.device}"
-
-    def warmup(self, voices: Sequence[tuple[str, str] | VoicePrompt] = ()) -> None:
-        """Capture CUDA graphs (GPU) / build static caches (CPU), then one generation per voice.
-
-        ``voices`` are the ``(speaker, language)`` pairs or cloned voices the gateway speaks
-        with; the first real caller then never pays for a first-use path. A Base model given no
-        cloned voice has nothing to say and only loads.
-        """
-        t0 = time.perf_counter()
-        if not voices and self.shared.model_type == "custom_voice":
-            voices = [(self.speakers[0] if self.speakers else "ryan", "English")]
-        for voice in voices:
-            if isinstance(voice, VoicePrompt):
-                request = SpeechRequest(text="Hello.", voice_prompt=voice, max_frames=8,
-                                        min_frames=8)
-            else:
-                request = SpeechRequest(text="Hello.", speaker=voice[0], language=voice[1],
-                                        max_frames=8, min_frames=8)
-            for _ in self.stream(request):
-                pass
-        log.info("engine warm: %s (%d voice(s)) in %.2f s", self.name, max(1, len(voices)),
-                 time.perf_counter() - t0)
-
-    def stream(
-        self, request: SpeechRequest, should_stop: Callable[[], bool] | None = None
-    ) -> Generator[np.ndarray, None, None]:
-        kind = self.shared.model_type
-        if request.voice_prompt is None and kind != "custom_voice":
-            raise EngineError(
-                f"{self.model_id} is a {kind!r} model: it speaks only with a registered cloned "
-                "voice; for built-in speakers use a CustomVoice model "
-                "(e.g. Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)"
-            )
-        if request.voice_prompt is not None and kind != "base":
-            raise EngineError(
-                f"cloned voice {request.voice_prompt.name!r} needs a Base model "
-                f"(e.g. Qwen/Qwen3-TTS-12Hz-0.6B-Base); {self.model_id} is {kind!r}"
-            )
-        if request.sampling not in (None, Sampling()):
-            raise EngineError("the slot engine samples with the model defaults only; per-turn "
-                              "sampling needs the batched engine")
-        try:
-            self.validate(request)
-        except ValueError as exc:
-            raise EngineError(str(exc)) from None
-        return self._stream(request, should_stop or _never)
-
-    def rebuild(self) -> None:
-        """Make the slot usable again after a failure inside the engine.
-
-        On CPU the graph holders are rebuilt from scratch. On CUDA the captured graphs are kept
-        and only their static caches are reset: re-capturing while other slots run on the same
-        GPU would fail (graph capture forbids unsafe CUDA calls from other threads), and a
-        sticky CUDA error leaves nothing to rebuild anyway (the reset then raises and the
-        scheduler retires the slot).
-        """
-        import torch
-
-        if self.shared.on_cuda:
-            self._wrapper.predictor_graph.static_cache.reset()
-            self._wrapper.talker_graph.static_cache.reset()
-            torch.cuda.synchronize()
-        else:
-            self._wrapper = _graph_holders(self.shared, self.max_seq_len)
-
-    # --- the loop -----------------------------------------------------------------------------
-
-    def _stream(
-        self, request: SpeechRequest, should_stop: Callable[[], bool]
-    ) -> Generator[np.ndarray, None, None]:
-        import torch
-
-        with torch.inference_mode():
-            if request.seed is not None:
-                torch.manual_seed(request.seed)
-            # 0.6B models ignore instruct (faster-qwen3-tts drops it for "0b6" too).
-            instruct = request.instruct if self.shared.model_size != "0b6" else None
-            max_frames = request.max_frames or self.shared.default_frames(request.text)
-            prefill = self._prefill(request, instruct)
-            ref_codes = prefill[-1]
-            codes = self._generate_codes(request, prefill, max_frames, should_stop)
-            decoded = (
-                self._decode_incremental(codes, ref_codes)
-                if self.codec_decode == "incremental"
-                else self._decode_windowed(codes, ref_codes)
-            )
-            trimmer = LeadingSilenceTrimmer() if self.trim_leading_silence else None
-            try:
-                for audio in decoded:
-                    if trimmer is not None:
-                        audio = trimmer.push(audio)
-                        if not len(audio):
-                            continue
-                    yield audio
-            finally:
-                decoded.close()
-                codes.close()
-
-    def _prefill(self, request: SpeechRequest, instruct: str | None) -> tuple[Any, ...]:
-        """Build the talker inputs and run the prefill; returns what the decode loop needs."""
-        w = self._wrapper
-        voice = request.voice_prompt
-        ref_codes = None
-        # The talker module is shared between slots and prefill writes talker.rope_deltas.
-        with self.shared.prefill_lock:
-            if voice is None:
-                _m, talker, config, tie, tam, tth, tpe = w._prepare_generation_custom(
-                    text=request.text,
-                    language=request.language,
-                    speaker=request.speaker.lower(),
-                    instruct=instruct,
-                    non_streaming_mode=True,
-                )
-            else:
-                # A cloned voice (ICL): the reference clip's codes and transcript lead the
-                # prompt; upstream's voice-clone default streams the text in (non_streaming
-                # False).
-                _m, talker, config, tie, tam, tth, tpe, ref_codes = w._prepare_generation(
-                    text=request.text,
-                    language=request.language,
-                    ref_text=voice.ref_text,
-                    non_streaming_mode=False,
-                    voice_clone_prompt=voice.prompt,
-                    instruct=instruct,
-                )
-            out = talker.forward(
-                inputs_embeds=tie,
-                attention_mask=tam,
-                use_cache=True,
-                output_hidden_states=True,
-                return_dict=True,
-                trailing_text_hidden=tth,
-                tts_pad_embed=tpe,
-                generation_step=None,
-                past_hidden=None,
-                past_key_values=None,
-            )
-            prefill_len = w.talker_graph.prefill_kv(out.past_key_values)
-            w.talker_graph.set_generation_state(tam, getattr(talker, "rope_deltas", None))
-        return talker, config, tie, tth, tpe, out, prefill_len, ref_codes
-
-    def _generate_codes(
-        self,
-        request: SpeechRequest,
-        prefill: tuple[Any, ...],
-        max_frames: int,
-        should_stop: Callable[[], bool],
-    ) -> Generator[Any, None, None]:
-        """Yield ``[n, 16]`` codec-id tensors following the chunk schedule.
-
-        Mirrors ``faster_qwen3_tts.streaming.fast_generate_streaming`` (0.2.6): prefill through
-        the HF forward, copy its KV into the static cache, then per frame one code-predictor
-        graph replay and one talker graph replay. ``should_stop`` is checked before every frame,
-        so a cancelled turn frees its slot within one frame (plus the decode in flight).
-        """
-        import torch
-        from faster_qwen3_tts.sampling import apply_repetition_penalty, sample_logits
-
-        w = self._wrapper
-        predictor_graph, talker_graph = w.predictor_graph, w.talker_graph
-        on_cuda = self.shared.on_cuda
-        # Sampling defaults of faster-qwen3-tts / qwen-tts generate_config.
-        temperature, top_k, top_p, repetition_penalty = 0.9, 50, 1.0, 1.05
-        # EOS is suppressed for the first frames (2 upstream; ``min_frames`` forces a length).
-        min_frames = max(2, request.min_frames or 0)
-
-        talker, config, tie, tth, tpe, out, prefill_len, _ref = prefill
-        eos_id = int(config.codec_eos_token_id)
-        vocab_size = int(config.vocab_size)
-        # The top 1024 ids of the codec vocabulary are control tokens; only EOS may be sampled.
-        suppress_mask = torch.zeros(vocab_size, dtype=torch.bool, device=tie.device)
-        suppress_mask[max(0, vocab_size - 1024) :] = True
-        suppress_mask[eos_id] = False
-        predictor = talker.code_predictor
-        talker_codec_embed = talker.get_input_embeddings()
-        talker_codec_head = talker.codec_head
-        predictor_codec_embeds = predictor.get_input_embeddings()
-        num_code_groups = int(config.num_code_groups)
-
-        past_hidden = out.past_hidden
-        gen_step = out.generation_step
-        token = sample_logits(
-            out.logits[:, -1, :],
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            do_sample=True,
-            suppress_mask=suppress_mask,
-            suppress_tokens=[eos_id],
-        )
-        del out
-        max_frames = min(max_frames, talker_graph.max_seq_len - 1 - prefill_len)
-
-        self.last_codes = []
-        planner = ChunkPlanner(self.chunk_schedule, adaptive=self.adaptive_chunks)
-        target = planner.next_size()
-        buffer: list[Any] = []
-        history: list[Any] = []
-        for step in range(max_frames):
-            if should_stop() or int(token.item()) == eos_id:
-                break
-            last_id_hidden = talker_codec_embed(token.unsqueeze(1))
-            pred_input = torch.cat((past_hidden, last_id_hidden), dim=1)
-            codebook_ids = predictor_graph.run(pred_input)
-            buffer.append(torch.cat([token.view(1), codebook_ids]))
-            history.append(token)
-
-            if len(buffer) >= target:
-                if on_cuda:
-                    torch.cuda.synchronize()
-                chunk = torch.stack(buffer)
-                if self.record_codes:
-                    self.last_codes.append(chunk)
-                yield chunk
-                # The consumer asks for more once this chunk is decoded and handed on.
-                planner.chunk_done(len(buffer))
-                buffer = []
-                target = planner.next_size()
-
-            if step == max_frames - 1:
-                break
-            codec_hiddens = [last_id_hidden]
-            for i in range(num_code_groups - 1):
-                codec_hiddens.append(predictor_codec_embeds[i](codebook_ids[i].view(1, 1)))
-            inputs_embeds = torch.cat(codec_hiddens, dim=1).sum(1, keepdim=True)
-            if gen_step < tth.shape[1]:
-                inputs_embeds = inputs_embeds + tth[:, gen_step].unsqueeze(1)
-            else:
-                inputs_embeds = inputs_embeds + tpe
-            hidden_states = talker_graph.run(inputs_embeds, position=prefill_len + step)
-            logits = talker_codec_head(hidden_states[:, -1, :]).unsqueeze(0)
-            if repetition_penalty != 1.0:
-                logits = apply_repetition_penalty(logits, torch.stack(history), repetition_penalty)
-            token = sample_logits(
-                logits.squeeze(0),
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                do_sample=True,
-                suppress_mask=suppress_mask,
-                suppress_tokens=[eos_id] if len(history) < min_frames else None,
-            )
-            past_hidden = hidden_states[:, -1:, :].clone()
-            gen_step += 1
-        if buffer and not should_stop():
-            if on_cuda:
-                torch.cuda.synchronize()
-            chunk = torch.stack(buffer)
-            if self.record_codes:
-                self.last_codes.append(chunk)
-            yield chunk
-
-    def _decode_incremental(
-        self, codes: Generator[Any, None, None], ref_codes: Any = None
-    ) -> Generator[np.ndarray, None, None]:
-        """Decode each chunk's new frames only, carrying the codec's state (see codec_stream).
-
-        With a cloned voice the generated codes continue the reference clip's codec stream:
-        the decoder is primed with the reference frames and their audio is discarded.
-        """
-        decoder = StreamingCodecDecoder(self._base.model.speech_tokenizer.model.decoder)
-        if ref_codes is not None:
-            decoder.decode(ref_codes)
-        for chunk in codes:
-            yield decoder.decode(chunk)
-
-    def _decode_windowed(
-        self, codes: Generator[Any, None, None], ref_codes: Any = None
-    ) -> Generator[np.ndarray, None, None]:
-        """Decode each chunk with up to 25 frames of left context (faster-qwen3-tts's way);
-        a cloned voice's reference frames are left context for the first windows."""
-        decoder = WindowedCodecDecoder(self._base.model.speech_tokenizer, CODEC_LEFT_CONTEXT)
-        if ref_codes is not None:
-            decoder.prime(ref_codes)
-        for chunk in codes:
-            yield decoder.decode(chunk)
-
-
-def _never() -> bool:
-    return False
-
-
 def _load_base(model: str, device: str, dtype: str, attn: str) -> tuple[Any, Any]:
     """Load the model through qwen-tts (``from_pretrained`` of an id or a local directory)."""
     import torch
@@ -646,111 +276,6 @@ def _load_base(model: str, device: str, dtype: str, attn: str) -> tuple[Any, Any
     except Exception as exc:
         raise ModelLoadError(_load_error_message(model, exc)) from exc
     return base, torch_dtype
-
-
-def build_mask_table(
-    graph: Any, attention_mask: Any = None, *, fallback: Callable[[Any], None]
-) -> None:
-    """A ``TalkerGraph``'s per-position attention masks, built in one vectorised step.
-
-    faster-qwen3-tts builds the table with one ``transformers`` ``create_causal_mask`` call per
-    position, at every slot's start, rebuild, and first turn with a new padding: 4 s for 1,024
-    positions with a padding mask on this CPU, against 13 ms here (``bench/mask_table.py``); the
-    tiny model's whole warm-up was mostly this. Position ``i`` attends to the keys
-    ``<= i`` that ``attention_mask`` does not pad. The library's own masks at the first, a
-    middle and the last position must equal ours; when they do not (a sliding window, a mask
-    format this code does not know), the library builds the table itself (``fallback``).
-    """
-    import torch
-    from transformers.masking_utils import create_causal_mask
-
-    config = graph.model.config
-    size = int(graph.max_seq_len)
-    if getattr(config, "sliding_window", None) is not None:
-        fallback(attention_mask)
-        return
-    dummy = torch.zeros(1, 1, graph.hidden_size, dtype=graph.dtype, device=graph.device)
-
-    def library(position: int) -> Any:
-        return create_causal_mask(
-            config=config, input_embeds=dummy, attention_mask=attention_mask,
-            cache_position=torch.tensor([position], device=graph.device),
-            past_key_values=graph.static_cache,
-        )
-
-    first = library(0)
-    if not (isinstance(first, torch.Tensor) and first.dtype == torch.bool
-            and first.dim() == 4 and tuple(first.shape[1:]) == (1, 1, size)):
-        fallback(attention_mask)
-        return
-    keys = torch.arange(size, device=first.device)
-    causal = keys[None, :] <= keys[:, None]  # [position, key]
-    table = causal[:, None, None, None, :].expand(size, first.shape[0], 1, 1, size)
-    if attention_mask is not None:
-        table = table & attention_mask.to(device=first.device, dtype=torch.bool)[
-            None, :, None, None, :size]
-    table = table.contiguous()
-    if not all(torch.equal(table[p], first if p == 0 else library(p))
-               for p in (0, size // 2, size - 1)):
-        fallback(attention_mask)
-        return
-    graph.attn_mask_table = list(table.unbind(0))
-    if graph.attn_mask is None:
-        graph.attn_mask = graph.attn_mask_table[0].clone()
-    else:
-        graph.attn_mask.copy_(graph.attn_mask_table[0])
-
-
-def _graph_holders(shared: QwenModel, max_seq_len: int) -> Any:
-    """One slot's faster-qwen3-tts graph holders (own static caches) over the shared weights."""
-    with _quiet_stdout():
-        from faster_qwen3_tts.model import FasterQwen3TTS
-        from faster_qwen3_tts.predictor_graph import PredictorGraph
-        from faster_qwen3_tts.talker_graph import TalkerGraph
-    import torch
-
-    base, torch_dtype = shared.base, shared.torch_dtype
-    talker = base.model.talker
-    talker_config = base.model.config.talker_config
-    pred_config = talker.code_predictor.model.config
-    # The graph holders ask torch.cuda for the device index when the device has none; on CPU
-    # an explicit index keeps them off the CUDA runtime.
-    graph_device: Any = shared.device if shared.on_cuda else torch.device("cpu", 0)
-    predictor_graph = PredictorGraph(
-        talker.code_predictor,
-        pred_config,
-        talker_config.hidden_size,
-        device=graph_device,
-        dtype=torch_dtype,
-        do_sample=True,
-        top_k=50,
-        temperature=0.9,
-    )
-    talker_graph = TalkerGraph(
-        talker.model, talker_config, device=graph_device, dtype=torch_dtype, max_seq_len=max_seq_len
-    )
-    # The patched methods reach their holder through a weak proxy: stored on the holder, a
-    # strong reference would make a cycle, and a ready gateway freezes its start-up heap out of
-    # the cycle collector (gateway/heap.py), so the start-up holders a CPU rebuild replaces
-    # (and their static caches) would stay until the gateway stops.
-    talker_ref = weakref.proxy(talker_graph)
-    predictor_ref = weakref.proxy(predictor_graph)
-    library_masks = functools.partial(TalkerGraph._build_attention_masks, talker_ref)
-    talker_graph._build_attention_masks = functools.partial(
-        build_mask_table, talker_ref, fallback=library_masks
-    )
-    if not shared.on_cuda:
-        predictor_graph.capture = lambda num_warmup=0: _eager_capture(predictor_ref)
-        talker_graph.capture = lambda prefill_len=0, num_warmup=0: _eager_capture(talker_ref)
-    with _quiet_stdout():
-        return FasterQwen3TTS(
-            base_model=base,
-            predictor_graph=predictor_graph,
-            talker_graph=talker_graph,
-            device=shared.device,
-            dtype=torch_dtype,
-            max_seq_len=max_seq_len,
-        )
 
 
 def _load_error_message(model: str, exc: BaseException) -> str:

@@ -1,8 +1,7 @@
 """One turn's generation as the asyncio side sees it, and the counters the scheduler keeps.
 
-Split from :mod:`gateway.tts.service` so the two things that drive engines (the service's slot
-workers and :mod:`gateway.tts.batch_loop`) both depend on the stream without depending on each
-other: the import graph stays a tree.
+Split from :mod:`gateway.tts.service` so that the front and the engine core
+(:mod:`gateway.tts.core`) both depend on the stream without depending on each other.
 """
 
 from __future__ import annotations
@@ -12,12 +11,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gateway.errors import EngineError
 from gateway.tts.engine import SAMPLE_RATE, SpeechRequest
+
+if TYPE_CHECKING:
+    from gateway.tts.core import Outbox
 
 __all__ = ["END_OF_STREAM", "ServiceStats", "SpeechStream", "append_bounded"]
 
@@ -73,6 +75,11 @@ class SpeechStream:
 
     ``cancel()`` (or ``aclose()``) stops the generation; iteration then ends. Errors raised by
     the engine surface here as :class:`~gateway.errors.EngineError`.
+
+    It is also the turn's output sink for the engine core (:mod:`gateway.tts.core`), which reads
+    it as a :class:`~gateway.tts.scheduler.TurnSink` (lead, backlog, whether it stopped) and
+    hands it audio with :meth:`deliver`, then :meth:`end` or :meth:`fail`, through the core's
+    :class:`~gateway.tts.core.Outbox` (one hand-off to the event loop per core iteration).
     """
 
     def __init__(
@@ -102,16 +109,16 @@ class SpeechStream:
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._cancel = threading.Event()
         self._cancelled_at: float | None = None
-        # Set when the service gave up on this turn (watchdog, no healthy slot): its consumer
-        # has been handed an EngineError and the worker must stop as soon as it can.
+        # Set when the service gave up on this turn (watchdog, no healthy engine): its consumer
+        # has been handed an EngineError and the core must stop as soon as it can.
         self._abandoned = False
         self.finished = asyncio.Event()
-        # Backpressure: chunks handed over (engine thread) and taken (consumer). Each counter
+        # Backpressure: chunks handed over (core thread) and taken (consumer). Each counter
         # has one writer, so their difference is safe to read from either side.
         self._produced = 0
         self._consumed = 0
-        #: Set by the batched loop while this turn waits on its consumer; taking a chunk then
-        #: wakes the loop through ``_wake``.
+        #: Set by the core while this turn waits on its consumer; taking a chunk then wakes the
+        #: core through ``_wake``.
         self._blocked = False
         self._wake: Callable[[], None] | None = None
         #: Each frame's codec ids when the engine records them (tests, benchmarks).
@@ -123,17 +130,22 @@ class SpeechStream:
 
     @property
     def abandoned(self) -> bool:
-        """True once the service failed this turn itself (a stuck step, no healthy slot)."""
+        """True once the service failed this turn itself (a stuck step, no healthy engine)."""
         return self._abandoned
 
     @property
     def stopping(self) -> bool:
-        """The worker must not produce more for this turn (cancelled or abandoned)."""
+        """The core must not produce more for this turn (cancelled or abandoned)."""
         return self._abandoned or self._cancel.is_set()
 
     @property
     def waiting_for_first_audio(self) -> bool:
         return self.first_chunk_at is None
+
+    @property
+    def playing(self) -> bool:
+        """Its first chunk was delivered."""
+        return self.first_chunk_at is not None
 
     @property
     def backlog(self) -> int:
@@ -146,6 +158,8 @@ class SpeechStream:
             return 0.0
         return self.audio_s - (now - self._playback_origin)
 
+    lead = audio_ahead
+
     def cancel(self) -> None:
         """Stop generating (idempotent, never blocks; call from the event loop)."""
         if not self._cancel.is_set():
@@ -154,7 +168,7 @@ class SpeechStream:
             # Wake a consumer that is waiting for the next chunk.
             self._queue.put_nowait(END_OF_STREAM)
             if self._wake is not None:
-                self._wake()  # the batched loop frees the row without waiting for a step
+                self._wake()  # the core frees the row without waiting for a step
 
     def __aiter__(self) -> AsyncIterator[np.ndarray]:
         return self
@@ -177,7 +191,58 @@ class SpeechStream:
     async def aclose(self) -> None:
         self.cancel()
 
-    # --- called from the worker thread --------------------------------------------------------
+    # --- the output sink: called from the engine core's thread --------------------------------
+
+    def attach(self, wake: Callable[[], None]) -> None:
+        """The core that serves this turn: woken by a cancel and by a consumer it waits on."""
+        self._wake = wake
+
+    def waiting_on_consumer(self, blocked: bool) -> None:
+        """The core sits this turn out until its consumer takes a chunk (then wakes it)."""
+        self._blocked = blocked
+
+    def deliver(self, audio: np.ndarray, now: float, outbox: Outbox) -> None:
+        """Hand over one chunk (it reaches the consumer at the outbox's next flush)."""
+        self._record_chunk(len(audio), now)
+        self._produced += 1
+        outbox.post(self._loop, self._queue.put_nowait, audio, self._cancel.set)
+
+    def end(self, outbox: Outbox) -> None:
+        """The turn is complete: iteration ends after its last chunk."""
+        outbox.post(self._loop, self._queue.put_nowait, END_OF_STREAM, self._cancel.set)
+        self.finish(outbox)
+
+    def fail(self, exc: BaseException, outbox: Outbox) -> None:
+        """The turn failed: its consumer gets ``exc`` as an EngineError (if it still listens)."""
+        if not self.stopping:
+            outbox.post(self._loop, self._queue.put_nowait, exc, self._cancel.set)
+        self.finish(outbox)
+
+    def finish(self, outbox: Outbox) -> None:
+        """Nothing more will happen to this turn (``finished`` is set at the flush)."""
+        outbox.post(self._loop, _set_event, self.finished)
+
+    def finish_now(self) -> None:
+        """:meth:`finish` without a core iteration to flush it (queued turns at a stop)."""
+        try:
+            self._loop.call_soon_threadsafe(self.finished.set)
+        except RuntimeError:
+            pass
+
+    def cancel_from_core(self) -> None:
+        """The core (or the service) stops the turn: its consumer's iteration ends."""
+        if not self._cancel.is_set():
+            self._cancelled_at = time.monotonic()
+            self._cancel.set()
+            self._put(END_OF_STREAM)
+
+    def abandon(self, error: EngineError) -> None:
+        """Fail the turn from outside the core (the watchdog): the consumer gets ``error``."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        if not self._cancel.is_set():
+            self._put(error)
 
     def _record_chunk(self, samples: int, now: float) -> None:
         if self.first_chunk_at is None:
@@ -199,16 +264,6 @@ class SpeechStream:
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self._cancel.set()
 
-    def _abandon(self, error: EngineError) -> None:
-        """Fail the turn from outside its worker: the consumer gets ``error``."""
-        if self._abandoned:
-            return
-        self._abandoned = True
-        if not self._cancel.is_set():
-            self._put(error)
 
-    def _finish(self) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self.finished.set)
-        except RuntimeError:
-            pass
+def _set_event(event: asyncio.Event) -> None:
+    event.set()
