@@ -7,7 +7,8 @@ it offline so the whole menu works on a fresh machine: ``gateway demo`` starts i
 gateway (unless ``ACME_BACKEND_URL`` points elsewhere), ``gateway demo-backend`` runs it alone.
 
 Accounts (made up, deterministic): every six-digit number is an account of "Dana" whose balance
-is the number's last three digits plus 10 cents, due March 3 (``417029`` -> 29.10 dollars);
+is the number's last three digits plus 10 cents, due 2026-03-03 (``417029`` -> 29.10 dollars;
+ISO dates, which the script's ``{due_date:date}`` reads as a date);
 numbers starting with 9 are overdue (the demo routes them to collections); anything else is
 answered 404, which the script treats as a failed lookup ("sorry", then an agent).
 """
@@ -34,7 +35,7 @@ def account(number: str) -> dict[str, str] | None:
     return {
         "first_name": "Dana",
         "balance": f"{int(number[-3:])}.10",
-        "due_date": "March 3",
+        "due_date": "2026-03-03",
         "status": "overdue" if number.startswith("9") else "current",
     }
 
