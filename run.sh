@@ -3,6 +3,8 @@
 #   ./run.sh [serve options]   set up .venv (first run, or when pyproject.toml changed), run the gateway
 #   ./run.sh test [pytest args] set up the same way, run the test suite (CI runs exactly this)
 #   ./run.sh setup             only set up
+#   ./run.sh --help | help [COMMAND]   the gateway's commands, or one command's options
+#   ./run.sh COMMAND ...       any other gateway command (demo, call, say, prompts, loadsim...)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -55,6 +57,8 @@ case "$cmd" in
     exec "$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
     ;;
   serve) shift; setup; exec "$VENV/bin/gateway" serve "$@" ;;
+  -h|--help) setup; exec "$VENV/bin/gateway" --help ;;
+  help) shift; setup; exec "$VENV/bin/gateway" "$@" --help ;;
   -*) setup; exec "$VENV/bin/gateway" serve "$@" ;;
   *) setup; exec "$VENV/bin/gateway" "$@" ;;
 esac

@@ -6,19 +6,21 @@ Tests call :func:`main` with an argv list instead of spawning a process.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from gateway.config import Settings
 from gateway.errors import GatewayError
 from gateway.loadsim.cli import loadsim_app
+from gateway.tts.model_source import require_model_source
 
 if TYPE_CHECKING:
     from gateway.text import FreeTextMode
@@ -46,62 +48,6 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
     from gateway.logs import setup_logging
 
     setup_logging(level, "json" if fmt == "json" else "text")
-
-
-#: How long ``say`` and ``prompts render`` wait for the Hugging Face hub (or the HTTPS proxy in
-#: front of it) to accept a TCP connection before calling it unreachable. Without the probe,
-#: huggingface_hub retries every file of the checkpoint with back-off and the good error message
-#: comes 53 s later (measured on a machine without hub access).
-HUB_PROBE_TIMEOUT_S = 3.0
-
-
-def _hub_unavailable(model: str) -> str | None:
-    """Why the Hugging Face hub cannot provide ``model`` now, or None when loading may proceed.
-
-    None for a local path, the ``tiny`` alias and a model already in the local hub cache: the
-    loader handles those itself and quickly. Otherwise ``HF_HUB_OFFLINE`` is honoured as
-    huggingface_hub reads it, and the hub endpoint (``HF_ENDPOINT``, through ``HTTPS_PROXY``
-    when one is set) must accept a TCP connection within :data:`HUB_PROBE_TIMEOUT_S`.
-    """
-    import socket
-    from urllib.parse import urlsplit
-
-    # "tiny" is the engine's alias for its tiny offline checkpoint; a hub id is "org/name".
-    if model == "tiny" or "/" not in model or model.startswith(("/", "./", "../", "~")) or \
-            Path(model).expanduser().exists():
-        return None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        if isinstance(try_to_load_from_cache(model, "config.json"), str):
-            return None
-    except Exception:  # an id the hub library cannot even parse: let the loader say so
-        return None
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
-        return "HF_HUB_OFFLINE=1 and it is not in the local cache"
-    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    parts = urlsplit(proxy if proxy else endpoint)
-    host = parts.hostname or "huggingface.co"
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        with socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S):
-            return None
-    except OSError as exc:
-        via = "its proxy " if proxy else ""
-        return (f"it is not a local directory and the Hugging Face hub could not provide it "
-                f"({via}{host}:{port} unreachable: {exc or type(exc).__name__})")
-
-
-def _require_model(model: str) -> None:
-    """Fail at once, with the loader's own advice, when the hub cannot provide ``model``."""
-    reason = _hub_unavailable(model)
-    if reason is not None:
-        raise GatewayError(
-            f"cannot load Qwen3-TTS model {model!r}: {reason}. Pass a local checkpoint "
-            "directory with --model /path/to/model (or GATEWAY_MODEL=/path/to/model); "
-            "`gateway model tiny DIR` builds a tiny offline one for smoke tests."
-        )
 
 
 def _settings(**overrides: object) -> Settings:
@@ -174,6 +120,10 @@ def serve(
 
             sip_socket = bind_udp(*settings.sip_bind)
         fastapi_app = create_app(settings, sip_socket=sip_socket)
+        # Before the model loads (the app's lifespan): a hub model the hub cannot provide is
+        # one line in seconds, not a minute of huggingface_hub retries. After the script, whose
+        # errors say more about what the operator just did.
+        require_model_source(settings.model)
     except BaseException as exc:
         http_socket.close()
         if sip_socket is not None:
@@ -274,7 +224,7 @@ def say(
     if encoding not in ("pcm", "ulaw"):
         raise GatewayError("--encoding must be pcm or ulaw")
     _setup_logging("warning")
-    _require_model(settings.model)
+    require_model_source(settings.model)
     # The gateway's own engine, one row: the audio a caller would hear for this text.
     engine = BatchedQwenEngine(
         model=settings.model, device=settings.device, dtype=settings.dtype, max_rows=1,
@@ -304,6 +254,102 @@ def say(
         f"wrote {output}: {seconds:.2f} s of 8 kHz {encoding} audio ({len(frames)} frames); "
         f"first chunk after {1000 * (first or 0):.0f} ms, total {total:.2f} s on {engine.device}"
     )
+
+
+DEMO_SCRIPT = Path(__file__).resolve().parent.parent / "prompts" / "demo.yaml"
+
+
+@app.command()
+def demo(
+    port: Annotated[int, typer.Option(help="HTTP port of the gateway.")] = 8080,
+    host: Annotated[str, typer.Option(help="Bind address (loopback: the demo is insecure).")
+                    ] = "127.0.0.1",
+    model: Annotated[str, typer.Option(help="Model id or local directory.")] = "tiny",
+    backend_port: Annotated[int, typer.Option(
+        help="Port of the demo's account backend stub (not started when ACME_BACKEND_URL "
+             "is set).")] = 8081,
+    sip: Annotated[str | None, typer.Option(
+        help="Also answer SIP here, e.g. 127.0.0.1:5060.")] = None,
+) -> None:
+    """Run the demo IVR (prompts/demo.yaml, --insecure) with its account backend stub: call it
+    with `gateway call http://127.0.0.1:8080` and press 1."""
+    from gateway.demo_backend import bind as bind_backend
+
+    if not DEMO_SCRIPT.exists():
+        raise GatewayError(f"the demo script is not at {DEMO_SCRIPT} (run from a checkout)")
+    _setup_logging("info")
+    require_model_source(model)
+    backend = None
+    if not os.environ.get("ACME_BACKEND_URL"):
+        from gateway.demo_backend import BackendThread
+
+        # Bound first: a port in use is one line naming the option, before any model loads.
+        backend = BackendThread(bind_backend("127.0.0.1", backend_port)).start()
+        os.environ["ACME_BACKEND_URL"] = backend.url
+        logging.getLogger("gateway").info(
+            "demo backend stub at %s: any six-digit account (417029: Dana, 29.10 dollars; "
+            "9xxxxx: overdue)", backend.url)
+    try:
+        serve(host=host, port=port, model=model, device=None, insecure=True, public_url=None,
+              script=DEMO_SCRIPT, lines=None, sip=sip)
+    finally:
+        if backend is not None:
+            backend.stop()
+
+
+@app.command("demo-backend")
+def demo_backend(
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8081,
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+) -> None:
+    """Run only the demo's account backend stub (what ACME_BACKEND_URL points the demo at)."""
+    import uvicorn
+
+    from gateway.demo_backend import bind as bind_backend
+    from gateway.demo_backend import create_app
+    from gateway.logs import uvicorn_log_config
+
+    _setup_logging("info")
+    sock = bind_backend(host, port)
+    typer.echo(f"demo backend on http://{host}:{port}/accounts/lookup "
+               f"(point ACME_BACKEND_URL at http://{host}:{port})")
+    uvicorn.Server(uvicorn.Config(create_app(), log_level="info",
+                                  log_config=uvicorn_log_config())).run(sockets=[sock])
+
+
+@app.command()
+def call(
+    target: Annotated[str, typer.Argument(
+        help="http://host:port (Twilio: the voice webhook and the stream) or "
+             "sip:host:port / host:port (SIP).")] = "http://127.0.0.1:8080",
+    to: Annotated[str, typer.Option("--to", help="The number dialled (picks the line).")
+                  ] = "+15550002222",
+    caller: Annotated[str, typer.Option("--from", help="The caller's number.")
+                      ] = "+15550000000",
+    output: Annotated[Path, typer.Option("-o", "--output", help="WAV of what you heard.")
+                      ] = Path("call.wav"),
+    say: Annotated[list[str] | None, typer.Option(
+        "--say", help="A phrase (spoken by espeak-ng or flite) or FILE.wav to say when you "
+                      "press s; repeatable.")] = None,
+    speakers: Annotated[bool, typer.Option(
+        "--speakers/--no-speakers", help="Play to the speakers when there are any.")] = True,
+    auth_token: Annotated[str | None, typer.Option(
+        help="Sign as Twilio does [GATEWAY_TWILIO_AUTH_TOKEN].")] = None,
+    max_duration: Annotated[float, typer.Option(help="Hang up after this many seconds.")
+                            ] = 600.0,
+) -> None:
+    """Call a gateway from the terminal: hear it (speakers and a WAV), press keys (0-9 * #),
+    say things (s, or `say: PHRASE` lines on a pipe), q hangs up; the call's events print as
+    they happen."""
+    from gateway.softphone import CallOptions, place_call
+
+    _setup_logging("warning")
+    token = auth_token if auth_token is not None else os.environ.get("GATEWAY_TWILIO_AUTH_TOKEN")
+    options = CallOptions(target=target, to=to, caller=caller, output=output,
+                          auth_token=token or None, speakers=speakers, say=list(say or []),
+                          max_duration_s=max_duration)
+    if asyncio.run(place_call(options)) != 0:
+        raise GatewayError("the call did not connect")
 
 
 def _spoken(text: str, language: str, free_text: FreeTextMode) -> str:
@@ -357,6 +403,8 @@ def voices_add(
     from gateway.ivr.voices import DEFAULT_BASE_MODEL, VoiceRegistry, default_voices_dir
 
     _setup_logging("warning")
+    require_model_source(base_model or DEFAULT_BASE_MODEL, what="Qwen3-TTS Base model",
+                         option="--base-model")
     registry = VoiceRegistry(directory or default_voices_dir())
     record = registry.add(name, ref, text, base_model=base_model or DEFAULT_BASE_MODEL,
                           device=device)
@@ -540,7 +588,7 @@ def prompts_render(
                    for line in load_plan(path).lines.values()}
     except ScriptError as exc:
         raise GatewayError(f"invalid script:\n{exc}") from None
-    _require_model(settings.model)
+    require_model_source(settings.model)
     from gateway.app import conditioning, default_engine_factory
 
     # The gateway's own engines (batched by default) behind the speech scheduler: prompts render
@@ -596,9 +644,23 @@ def prompts_render(
                f"({speech.capacity} at once)")
 
 
+def _unwrap_summaries(command: Any) -> None:
+    """Join the first paragraph of every command's help into one line.
+
+    Typer's rich help keeps the docstring's line breaks in the command list (``gateway
+    --help``), so summaries broke mid-sentence wherever the source did; the terminal wraps
+    them instead. Later paragraphs keep their breaks."""
+    if command.help:
+        first, sep, rest = inspect.cleandoc(command.help).partition("\n\n")
+        command.help = " ".join(first.split()) + sep + rest
+    for sub in getattr(command, "commands", {}).values():
+        _unwrap_summaries(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code instead of exiting (for tests)."""
     command = typer.main.get_command(app)
+    _unwrap_summaries(command)
     try:
         command.main(args=argv, prog_name="gateway", standalone_mode=False)
     except GatewayError as exc:

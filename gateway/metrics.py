@@ -246,6 +246,12 @@ class Metrics:
             registry=r,
         )
 
+        self.webhook_failures = Counter(
+            "gateway_webhook_failures_total",
+            "Script webhooks that failed (timeout, an HTTP error status, no answer, not JSON, "
+            "too large): the call went to the node's on_error or the script's error node.",
+            ["result"], registry=r,
+        )
         self.speech_turns = Counter(
             "gateway_speech_turns_total",
             "Caller turns a speech gather heard: result is match, no_match, no_speech or "

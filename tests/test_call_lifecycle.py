@@ -699,3 +699,12 @@ async def test_a_dialog_that_speaks_after_the_hang_up_starts_nothing(rig) -> Non
     late = call.speak("Hello.", lambda utterance: opened.append(utterance))  # type: ignore[arg-type,return-value]
     assert late.done and late.task is None and not opened
     assert late.generated.is_set() and not call.speaking
+
+
+def test_utterance_ids_carry_the_calls_own_id_not_a_sip_hosts_tail() -> None:
+    from gateway.call.session import short_call_id
+
+    assert short_call_id("CA0123456789abcdef0123456789abcdef") == "89abcdef"
+    # SIP: "sip-<Call-ID>", the Call-ID "<random>@<host>": the random part, never "27.0.0.1".
+    assert short_call_id("sip-5f2a9c1e0b7d4e88a1c2@127.0.0.1") == "0b7d4e88a1c2"[-8:]
+    assert short_call_id("sip-abc") == "abc"

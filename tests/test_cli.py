@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -180,32 +181,81 @@ def _free_tcp_port() -> int:
         return int(sock.getsockname()[1])
 
 
+OFFLINE_COMMANDS = {
+    "say": ["say", "Hi.", "-o", "{tmp}/x.wav", "--device", "cpu"],
+    "serve": ["serve", "--insecure", "--port", "0"],
+    "prompts render": ["prompts", "render", "prompts/demo.yaml", "--cache-dir", "{tmp}/cache"],
+    "voices add": ["voices", "add", "anna", "{tmp}/ref.wav", "--text", "Hello.", "--dir",
+                   "{tmp}/voices"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(OFFLINE_COMMANDS))
 @pytest.mark.parametrize("how", ["offline", "unreachable"])
-def test_say_with_a_hub_model_and_no_hub_fails_at_once_with_the_loader_advice(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, how: str
+def test_every_model_command_with_a_hub_model_and_no_hub_fails_at_once_with_one_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    how: str, command: str,
 ) -> None:
     import time
 
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)  # the README's relative paths (prompts/demo.yaml)
+    for name in ("GATEWAY_MODEL", "GATEWAY_SCRIPT", "GATEWAY_LINES", "HTTPS_PROXY",
+                 "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    sf.write(str(tmp_path / "ref.wav"), np.zeros(16000, dtype=np.int16), 16000)
     # An empty hub cache: the default model is not there.
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.delenv("HTTPS_PROXY", raising=False)
-    monkeypatch.delenv("https_proxy", raising=False)
     if how == "offline":
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     else:
         # A hub endpoint on loopback where nothing listens: the connection is refused at once.
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_free_tcp_port()}")
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in OFFLINE_COMMANDS[command]]
     t0 = time.monotonic()
-    code = main(["say", "Hi.", "-o", str(tmp_path / "x.wav"), "--device", "cpu"])
+    code = main(argv)
     elapsed = time.monotonic() - t0
     err = capsys.readouterr().err
     assert code == 1
-    assert "cannot load Qwen3-TTS model 'Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice'" in err
-    assert "--model /path/to/model" in err and "gateway model tiny DIR" in err
+    model = ("Qwen/Qwen3-TTS-12Hz-0.6B-Base" if command == "voices add"
+             else "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
+    assert f"model {model!r}: " in err
+    assert "/path/to/model" in err and "gateway model tiny DIR" in err
     if how == "offline":
         assert "HF_HUB_OFFLINE=1 and it is not in the local cache" in err
     else:
         assert "the Hugging Face hub could not provide it (127.0.0.1:" in err
-    assert elapsed < 10, f"took {elapsed:.1f} s"  # it used to retry for 53 s
-    assert not (tmp_path / "x.wav").exists()
+    # One line: no hub retry warnings before it (there were 55, each printed twice). serve's
+    # own --insecure warning comes first.
+    lines = [line for line in err.splitlines() if line.strip() and "--insecure:" not in line]
+    assert len(lines) == 1, err
+    assert elapsed < 10, f"took {elapsed:.1f} s"  # serve and voices add used to take 54 s
+    assert not (tmp_path / "x.wav").exists() and not (tmp_path / "voices" / "anna").exists()
+
+
+def test_command_summaries_are_whole_sentences_not_the_docstrings_line_breaks(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "250")  # wide enough that nothing needs wrapping
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if "│ demo " in line)
+    assert "account backend stub: call it with `gateway call" in line
+    assert main(["prompts", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "schema and logic errors as file:line:column: message" in out
+
+
+@pytest.mark.parametrize(("argv", "usage"), [(["--help"], "Usage: gateway [OPTIONS] COMMAND"),
+                                             (["help"], "Usage: gateway [OPTIONS] COMMAND"),
+                                             (["help", "call"], "Usage: gateway call ")])
+def test_run_sh_help_lists_the_commands_or_explains_one(argv: list[str], usage: str) -> None:
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(["bash", str(root / "run.sh"), *argv], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "120"})
+    assert done.returncode == 0, done.stderr
+    assert usage in done.stdout
+    assert "Run the gateway (HTTP webhooks" not in done.stdout.split("Commands", 1)[0]

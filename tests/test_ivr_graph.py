@@ -99,3 +99,25 @@ def test_hours_voice_changes_and_markup_in_sentences_are_drawn_safely() -> None:
     assert "Press &lt;1&gt; &amp; wait." in source  # HTML labels: escaped, never markup
     assert re.search(r"office -> serena \[label=open\]", source)
     assert re.search(r"office -> shut \[label=closed\]", source)
+
+
+def test_svg_text_keeps_the_space_after_a_bold_label_and_any_failure_is_a_node(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "flow.svg"
+    assert main(["prompts", "graph", str(DEMO), "-o", str(out)]) == 0
+    root = ET.parse(out).getroot()
+    texts = list(root.iter(f"{SVG}text"))
+    leading = [t for t in texts if (t.text or "").startswith(" ")]
+    # "branch" (bold) then " on data": a browser drops that space unless the element says
+    # xml:space="preserve" ("branchon data").
+    assert any(t.text == " on data" for t in leading)
+    space = "{http://www.w3.org/XML/1998/namespace}space"
+    assert all(t.get(space) == "preserve" for t in leading)
+    # The red "any failure" arrow starts at a node with a border, not at floating text.
+    nodes, edges = _svg(out)
+    assert "any failed step" in nodes["__error__"]
+    group = next(g for g in root.iter(f"{SVG}g")
+                 if (g.findtext(f"{SVG}title") or "") == "__error__")
+    assert group.find(f"{SVG}path") is not None or group.find(f"{SVG}polygon") is not None
+    assert "__error__->sorry" in edges

@@ -296,3 +296,17 @@ def test_a_speech_gather_is_checked_against_the_configured_recognisers_vocabular
     assert errors == ["t.yaml:10:7: node 'menu' listens for speech in English, which the speech "
                       "recogniser does not know (it knows tlh): a speech gather in English needs "
                       "a recogniser configured for it"]
+
+
+@pytest.mark.parametrize(("old", "new"), [("    next: menu\n", "    next: men\n"),
+                                          ("start: welcome\n", "start: welcom\n"),
+                                          ("        goto: collections\n",
+                                           "        goto: collection\n")])
+def test_a_one_character_typo_in_a_node_name_is_one_error(old: str, new: str) -> None:
+    """Not one per node behind it: those are unreachable only because of the typo (and their
+    translations never said), and the fix of the one error removes them all."""
+    text = (ROOT / "prompts" / "demo.yaml").read_text()
+    assert old in text
+    errors = _errors(text.replace(old, new, 1))
+    assert len(errors) == 1, "\n".join(errors)
+    assert "which is not a node" in errors[0]

@@ -220,7 +220,10 @@ def test_summary_table_has_a_row_per_level() -> None:
         p95 = f"{level['ttfa_ms']['p95']:,.0f}"
         row = next(line for line in text.splitlines()
                    if re.match(rf"\W*{level['concurrency']}\b", line))
-        assert p95 in row and verdict in row
+        assert verdict in row
+        # Withheld figures are not printed beside "withheld" (they would still be read).
+        assert (p95 not in row and row.count("—") == 3) if verdict == "withheld" \
+            else p95 in row
     assert "SLO ttfa_p95<400ms,gaps=0: missed" in text
     assert "latency figures withheld at ×20 (simulator lateness too large" in text
 
@@ -242,7 +245,10 @@ def test_summary_fits_80_columns_with_every_figure_whole() -> None:
         cells = row.split()
         assert cells[:4] == [f"×{level['concurrency']}", f"{level['calls']:,}",
                              f"{level['refused']:,}", f"{level['errors']:,}"]
-        assert f"{level['ttfa_ms']['p95']:,.0f}" in cells and cells[-1] == verdict
+        assert cells[-1] == verdict
+        p95 = f"{level['ttfa_ms']['p95']:,.0f}"
+        assert (p95 not in cells and cells[4:7] == ["—"] * 3) if verdict == "withheld" \
+            else p95 in cells
         # One line per level: placed calls and their rate, completed / refused / failed.
         assert (f"×{level['concurrency']}: {level['calls']:,} calls placed "
                 f"({level['placed_per_s']:,.2f}/s), {level['completed']:,} completed, "
@@ -358,3 +364,49 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     # The withheld-level banner's fill (#fff4e5) is on screen.
     banner = np.all(np.abs(rgb.astype(int) - (0xFF, 0xF4, 0xE5)) <= 1, axis=1)
     assert np.count_nonzero(banner) > 5000
+
+
+def _figures(doc: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The report's matplotlib figures, by plot name, as build_html draws them."""
+    from gateway.loadsim import report
+
+    figures: dict[str, Any] = {}
+    monkeypatch.setattr(report, "_svg", lambda fig, name: figures.setdefault(name, fig) and "")
+    build_html(doc)
+    return figures
+
+
+def test_withheld_notes_stay_inside_the_plot_and_the_hollow_markers_have_a_legend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    doc = synthetic_document()  # x20 is withheld
+    fig = _figures(doc, monkeypatch)["latency-vs-concurrency"]
+    ax = fig.axes[0]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    title = ax.title.get_window_extent(renderer)
+    box = ax.get_window_extent(renderer)
+    notes = [t for t in ax.texts if t.get_text() == "withheld"]
+    assert notes
+    for note in notes:
+        extent = note.get_window_extent(renderer)
+        assert not extent.overlaps(title), "the note covers the plot's title"
+        assert box.y0 <= extent.y0 and extent.y1 <= box.y1, "the note is outside the axes"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "figures withheld" in legend and "p95" in legend
+
+
+def test_gap_panels_without_gaps_say_so_instead_of_a_0_to_0_05_axis(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    doc = synthetic_document()
+    for call in doc["calls"]:
+        for turn in call["turns"]:
+            turn["gaps"], turn["gap_ms"] = 0, 0.0
+    fig = _figures(doc, monkeypatch)["gaps-over-time"]
+    _, ax_ms, ax_n = fig.axes
+    for ax in (ax_ms, ax_n):
+        assert ax.get_ylim() == (0.0, 1.0)
+        assert any(t.get_text() == "no gaps heard" for t in ax.texts)

@@ -271,7 +271,7 @@ def test_calls_spread_over_gateways_and_a_drained_gateway_finishes_its_calls(
         assert code == 0, a.log()
         a_log = a.log()
         assert "drain grace over" not in a_log
-        assert re.search(r"sip call long-\S+ ended \(bye\)", a_log), a_log
+        assert re.search(r"sip call sip-long-\S+ ended \(bye\)", a_log), a_log
         no_ack_thread.join(30)
         assert no_ack_out["result"].ok, no_ack_out["result"].stdout[-3000:] + lb.log()
 

@@ -365,3 +365,29 @@ def test_in_dialog_requests_follow_the_record_route(
     assert isinstance(bye, SipRequest) and bye.method == "BYE"
     assert bye.uri == uri
     assert bye.headers.get_all("Route") == routes
+
+
+def test_the_ack_of_a_486_ends_its_transaction_and_is_not_counted_as_dropped() -> None:
+    """Every refusal at capacity used to count its ACK in gateway_sip_dropped_total as "ACK for
+    no dialog": the caller's ACK of a non-2xx final is part of the INVITE transaction."""
+    uas = core(max_calls=1)
+    answered(uas)
+    effects = uas.receive(invite(call_id="c2", branch="z9hG4bK-c2"), PEER, 1.0)
+    (busy,) = sent(effects)
+    assert isinstance(busy, SipResponse) and busy.status == 486
+    # RFC 3261 17.1.1.3: the ACK has the INVITE's branch and the response's To tag.
+    ack = in_dialog("ACK", busy.to_tag or "", call_id="c2", cseq=1, branch="z9hG4bK-c2")
+    assert uas.receive(ack, PEER, 1.1) == []
+    # An ACK that matches nothing still is a stray.
+    stray = in_dialog("ACK", "nobody", call_id="c9", cseq=1, branch="z9hG4bK-c9")
+    assert [type(e).__name__ for e in uas.receive(stray, PEER, 1.2)] == ["Dropped"]
+
+
+def test_the_ack_of_a_reject_is_absorbed_too() -> None:
+    uas = core()
+    effects = uas.receive(invite(call_id="c3", branch="z9hG4bK-c3"), PEER, 0.0)
+    incoming = next(e for e in effects if isinstance(e, IncomingCall))
+    (busy,) = sent(uas.reject(incoming.key, 486, 0.1))
+    assert isinstance(busy, SipResponse) and busy.status == 486
+    ack = in_dialog("ACK", busy.to_tag or "", call_id="c3", cseq=1, branch="z9hG4bK-c3")
+    assert uas.receive(ack, PEER, 0.2) == []

@@ -85,6 +85,14 @@ RECENT_S = 3.0
 PRE_ROLL_S = 0.5
 
 
+
+def short_call_id(call_id: str) -> str:
+    """The last 8 characters of a call's own id, for utterance ids in logs and marks: of a
+    Twilio CallSid (``CA…3f9c01ab`` -> ``3f9c01ab``), of a SIP Call-ID's random part
+    (``sip-<random>@10.0.0.5`` -> its random part's tail, not the host's: "27.0.0.1")."""
+    local = call_id.removeprefix("sip-").split("@", 1)[0] or call_id
+    return local[-8:]
+
 class _Recent:
     """The last :data:`RECENT_S` of inbound G.711, in a preallocated ring (no per-frame
     allocation)."""
@@ -588,7 +596,7 @@ class Call:
         if self.speaking:
             raise RuntimeError("already speaking: barge_in() first")
         utterance = Utterance(
-            id=f"{self.call_id[-8:]}-u{self.utterance_count + 1}",
+            id=f"{short_call_id(self.call_id)}-u{self.utterance_count + 1}",
             seq=self.utterance_count + 1,
             text=text,
             turn_started_at=turn_started_at if turn_started_at is not None else self.clock.now(),

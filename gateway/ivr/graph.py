@@ -13,6 +13,7 @@ hang-ups red, the start has an arrow from a dot, the error node a dashed border.
 from __future__ import annotations
 
 import html
+import re
 import textwrap
 from pathlib import Path
 
@@ -147,8 +148,10 @@ def flow_graph(script: Script) -> graphviz.Digraph:
                 label = "ok"
             graph.edge(name, edge.target, label=html.escape(label) if label else None, **attrs)
     if script.error is not None and script.error in script.nodes:
-        graph.node("__error__", label="any failure", shape="plaintext", style="",
-                   fontcolor="#c92a2a")
+        # A node of its own (not a floating label), so the red arrow visibly starts somewhere.
+        graph.node("__error__", label="any failed step\n(speech, webhook)", shape="box",
+                   style="rounded,dashed", color="#c92a2a", fontcolor="#c92a2a",
+                   fillcolor="white")
         graph.edge("__error__", script.error, style="dashed", color="#c92a2a")
     return graph
 
@@ -170,5 +173,17 @@ def render(script: Script, output: Path) -> Path:
     except graphviz.ExecutableNotFound:
         raise GatewayError("Graphviz's 'dot' is not installed (apt-get install graphviz); "
                            "write a .dot file instead and render it elsewhere") from None
+    if fmt == "svg":
+        data = _keep_spaces(data)
     output.write_bytes(data)
     return output
+
+
+_SVG_TEXT = re.compile(rb"<text([^>]*)>(?=\s)")
+
+
+def _keep_spaces(svg: bytes) -> bytes:
+    """Mark every ``<text>`` that starts with a space ``xml:space="preserve"``: Graphviz writes
+    the text after a bold run as its own element (``" on data"``), and browsers drop the
+    leading space of an SVG text unless told to keep it ("branchon data")."""
+    return _SVG_TEXT.sub(rb'<text\1 xml:space="preserve">', svg)

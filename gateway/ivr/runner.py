@@ -714,13 +714,18 @@ class IvrRunner:
             call.ms = round(1000 * (self.clock.now() - started), 1)
             if own:
                 await client.aclose()
+            if call.result != "ok" and self.ctx.metrics is not None:
+                # "failed: ConnectError" -> "failed": the label stays a short list.
+                self.ctx.metrics.webhook_failures.labels(call.result.split(":", 1)[0]).inc()
         if not isinstance(data, dict):
             call.result = "not a json object"
+            if self.ctx.metrics is not None:
+                self.ctx.metrics.webhook_failures.labels(call.result).inc()
             raise _Failed(f"webhook {hook.url} answered JSON that is not an object")
         merged = _merge_variables(data)
         # The call's own variables are facts of the call, not the backend's to change.
-        for name in BUILTIN_VARIABLES:
-            merged.pop(name, None)
+        for builtin in BUILTIN_VARIABLES:
+            merged.pop(builtin, None)
         self.variables.update(merged)
         call.set = sorted(merged)
         # The turn that follows a webhook is measured from its answer.

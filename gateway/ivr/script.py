@@ -31,6 +31,7 @@ speaker, text too long for one utterance, duplicate names).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
 from collections import deque
@@ -1015,9 +1016,18 @@ def _check_logic(
     def pos(*path: str | int) -> tuple[int, int]:
         return _position(tree, path)
 
+    #: Edges to nodes that do not exist, and the node each most likely meant (a close spelling).
+    #: Reachability follows the meant node, so one mistyped name is one error, not one more for
+    #: every node behind it; translations are not reported unused while any edge dangles.
+    dangling: dict[str, str | None] = {}
+
     def check_node_ref(target: str | None, path: tuple[str | int, ...], what: str) -> None:
         if target is not None and target not in nodes:
-            report(pos(*path), f"{what} '{target}', which is not a node (nodes: {node_list})")
+            close = difflib.get_close_matches(target, list(nodes), n=1, cutoff=0.8)
+            dangling[target] = close[0] if close else None
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            report(pos(*path), f"{what} '{target}', which is not a node (nodes: {node_list}"
+                               f"{hint})")
 
     # voice
     voice = script.voice
@@ -1106,13 +1116,17 @@ def _check_logic(
 
     # reachability
     reachable: set[str] = set()
-    queue = deque(n for n in (script.start, script.error) if n in nodes)
+    queue: deque[str | None] = deque(n if n is None else dangling.get(n, n)
+                                     for n in (script.start, script.error))
     while queue:
         current = queue.popleft()
-        if current in reachable:
+        if current is None or current in reachable or current not in nodes:
             continue
         reachable.add(current)
-        queue.extend(t for t in script.successors(current) if t not in reachable)
+        node = nodes[current]
+        dead = node.dead_cases() if node.branch is not None else {}
+        queue.extend(dangling.get(edge.target, edge.target) for edge in node.edges()
+                     if not (edge.kind in ("case", "else") and edge.path[1] in dead))
     for name in nodes:
         if name not in reachable:
             report(_key_position(tree, ("nodes", name)),
@@ -1126,7 +1140,8 @@ def _check_logic(
         if node.webhook is not None:
             settable.update(node.webhook.sets)
         settable.update(node.assign or {})
-    _check_languages(script, tree, report, voice_exists, speakers, languages, settable)
+    _check_languages(script, tree, report, voice_exists, speakers, languages, settable,
+                     flow_known=not dangling)
     for name, node in nodes.items():
         for i, case in enumerate(node.branch or []):
             if case.when is None:
@@ -1234,9 +1249,11 @@ def _check_languages(
     speakers: set[str],
     languages: set[str],
     settable: set[str],
+    flow_known: bool = True,
 ) -> None:
     """Languages and voices: what ``set``/``voice`` change, and what each sentence is spoken in
-    (a prompt needs a translation for every language a node may say it in)."""
+    (a prompt needs a translation for every language a node may say it in). Without
+    ``flow_known`` (an edge to a missing node) translations are not reported unused."""
 
     def pos(*path: str | int) -> tuple[int, int]:
         return _position(tree, path)
@@ -1324,7 +1341,7 @@ def _check_languages(
                                "this sentence has one text: make it a prompt with "
                                "translations, or give it a language")
     for language, texts in script.translations.items():
-        if language.lower() not in supported or \
+        if not flow_known or language.lower() not in supported or \
                 language.lower() == script.voice.language.lower():
             continue
         if language.lower() not in spoken:

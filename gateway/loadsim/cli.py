@@ -60,7 +60,8 @@ def require_extra() -> None:
 def _config(target: str, transport: str, scenario: str, digits: str, think: float,
             listen: float, duration: float, workers: int, auth_token: str | None, rate: float,
             ramp_from: int | None, turn_timeout: float, withhold_fraction: float,
-            backoff: float, http: str | None, greeting: str | None) -> LoadConfig:
+            backoff: float, http: str | None, greeting: str | None, to: str | None = None,
+            caller: str | None = None, jitter: float = 0.5, seed: int = 0) -> LoadConfig:
     require_extra()
     if transport not in ("twilio", "sip"):
         raise GatewayError("--transport must be twilio or sip")
@@ -68,17 +69,25 @@ def _config(target: str, transport: str, scenario: str, digits: str, think: floa
         raise GatewayError(f"--scenario must be one of {', '.join(SCENARIOS)}")
     if backoff < 0:
         raise GatewayError("--backoff must be 0 or more seconds")
+    if not 0 <= jitter <= 1:
+        raise GatewayError("--jitter must be between 0 and 1")
     token = auth_token if auth_token is not None else os.environ.get("GATEWAY_TWILIO_AUTH_TOKEN")
     pattern = "rate" if rate > 0 else "ramp" if ramp_from is not None else "concurrency"
     for turn in digits.split(","):
         if is_speech(turn):
             speech_frames(turn)  # a recording that cannot be read stops the run here
-    return LoadConfig(target=target, transport=transport, auth_token=token or None,
-                      scenario=scenario, digits=[d for d in digits.split(",") if d],
-                      think_s=think, listen_s=listen, duration_s=duration, workers=workers,
-                      pattern=pattern, rate=rate, ramp_from=ramp_from or 1,
-                      turn_timeout_s=turn_timeout, withhold_fraction=withhold_fraction,
-                      backoff_s=backoff, http=http, greeting=greeting)
+    config = LoadConfig(target=target, transport=transport, auth_token=token or None,
+                        scenario=scenario, digits=[d for d in digits.split(",") if d],
+                        think_s=think, listen_s=listen, duration_s=duration, workers=workers,
+                        pattern=pattern, rate=rate, ramp_from=ramp_from or 1,
+                        turn_timeout_s=turn_timeout, withhold_fraction=withhold_fraction,
+                        backoff_s=backoff, http=http, greeting=greeting, jitter=jitter,
+                        seed=seed)
+    if to:
+        config.called = to
+    if caller:
+        config.caller_id = caller
+    return config
 
 
 def progress_line(state: dict[str, Any], width: int) -> str:
@@ -192,13 +201,19 @@ HtmlOpt = Annotated[Path | None, typer.Option("--html", help="Write the HTML rep
 TimeoutOpt = Annotated[float, typer.Option(help="Seconds a turn may wait for audio.")]
 WithholdOpt = Annotated[float, typer.Option(
     help="Withhold latency figures when the simulator's p99 lateness exceeds this fraction "
-         "of the first-audio p50.")]
+         "of the first-audio p50 or of the SLO's latency bound (default 200 ms), the larger.")]
 BackoffOpt = Annotated[float, typer.Option(
     help="Mean seconds a refused or failed caller waits before dialling again (0.5x-1.5x).")]
 HttpOpt = Annotated[str | None, typer.Option(
     help="The gateway's HTTP base URL for /readyz and /metrics (default: a Twilio target).")]
 GreetingOpt = Annotated[str | None, typer.Option(
     help="live: the gateway's GATEWAY_GREETING, if not the default (its characters count).")]
+ToOpt = Annotated[str | None, typer.Option(
+    "--to", help="The number dialled: picks a line of a lines file [+15550009999].")]
+FromOpt = Annotated[str | None, typer.Option("--from", help="The callers' number.")]
+JitterOpt = Annotated[float, typer.Option(
+    help="Spread of think times (x[1-j, 1+j]) and of the callers' first dial, 0-1.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of the callers' timing.")]
 
 
 def _level(config: LoadConfig, concurrency: int, index: int,
@@ -222,11 +237,13 @@ def run(target: TargetArg, concurrency: Annotated[int, typer.Option(help="Caller
         duration: DurationOpt = 20.0, workers: WorkersOpt = 1, auth_token: TokenOpt = None,
         slo: SloOpt = None, json_out: JsonOpt = None, html_out: HtmlOpt = None,
         turn_timeout: TimeoutOpt = 15.0, withhold_fraction: WithholdOpt = 0.25,
-        backoff: BackoffOpt = 5.0, http: HttpOpt = None, greeting: GreetingOpt = None) -> None:
+        backoff: BackoffOpt = 5.0, http: HttpOpt = None, greeting: GreetingOpt = None,
+        to: ToOpt = None, caller: FromOpt = None, jitter: JitterOpt = 0.5,
+        seed: SeedOpt = 0) -> None:
     """Run one load level and report what callers felt."""
     config = _config(target, transport, scenario, digits, think, listen, duration, workers,
                      auth_token, rate, ramp_from, turn_timeout, withhold_fraction, backoff,
-                     http, greeting)
+                     http, greeting, to, caller, jitter, seed)
     clauses = parse_slo(slo) if slo else None
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
@@ -305,14 +322,15 @@ def capacity(target: TargetArg, slo: Annotated[str, typer.Option(
              auth_token: TokenOpt = None, json_out: JsonOpt = None, html_out: HtmlOpt = None,
              turn_timeout: TimeoutOpt = 15.0, withhold_fraction: WithholdOpt = 0.25,
              backoff: BackoffOpt = 5.0, http: HttpOpt = None,
-             greeting: GreetingOpt = None) -> None:
+             greeting: GreetingOpt = None, to: ToOpt = None, caller: FromOpt = None,
+             jitter: JitterOpt = 0.5, seed: SeedOpt = 0) -> None:
     """Raise concurrency until the SLO breaks; report the calls per gateway machine that met
     it, for cached speech (TARGET, --scenario) and, with --live, for live speech."""
     if not (step == "x2" or (step.startswith("+") and step[1:].isdigit() and int(step[1:]))):
         raise GatewayError("--step must be x2 or +N")
     config = _config(target, transport, scenario, digits, think, listen, duration, workers,
                      auth_token, 0.0, None, turn_timeout, withhold_fraction, backoff, http,
-                     greeting)
+                     greeting, to, caller, jitter, seed)
     clauses = capacity_clauses(slo)
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()

@@ -222,6 +222,8 @@ class _Level:
     dropped: int
     refused_by: tuple[tuple[str, int], ...]
     failures_by: tuple[tuple[str, int], ...]
+    #: Turns the gateway's /metrics said it failed (counted in ``errors``), by cause.
+    gateway_failures_by: tuple[tuple[str, int], ...]
     placed_per_s: float | None
     duration_s: float | None
     ttfa: _Pcts
@@ -265,6 +267,7 @@ class _Level:
             dropped=_int(obj, "dropped", path),
             refused_by=_counts(obj, "refused_by", path),
             failures_by=_counts(obj, "failures_by", path),
+            gateway_failures_by=_counts(obj, "gateway_failures_by", path),
             placed_per_s=_num(obj, "placed_per_s", path),
             duration_s=_num(obj, "duration_s", path),
             ttfa=_Pcts.parse(_mapping(obj, "ttfa_ms", path), f"{path}.ttfa_ms"),
@@ -571,16 +574,22 @@ def _plot_latency_vs_concurrency(run: _Run) -> str:
                     withheld = [(lv.concurrency, getattr(lv.ttfa, key)) for lv in series
                                 if getattr(lv.ttfa, key) is not None and lv.withheld]
                     if withheld:
+                        labelled = "figures withheld" in ax.get_legend_handles_labels()[1]
                         ax.plot(*zip(*withheld, strict=True), ls="none", marker=marker,
-                                mfc="none", color="#999999")
+                                mfc="none", color="#999999",
+                                label=None if labelled else "figures withheld")
+            highest = max(v for lv in points for v in (lv.ttfa.p50, lv.ttfa.p95, lv.ttfa.p99)
+                          if v is not None)
+            # Headroom for the "withheld" notes: inside the axes, never over the title.
+            ax.set_ylim(0, highest * (1.25 if any(lv.withheld for lv in points) else 1.05))
             for lv in points:
                 if lv.withheld:
                     top = max(v for v in (lv.ttfa.p50, lv.ttfa.p95, lv.ttfa.p99) if v is not None)
-                    ax.annotate("withheld", xy=(lv.concurrency, top), xytext=(0, 8),
-                                textcoords="offset points", ha="center", color="#a33")
-            ax.set_ylim(bottom=0)
+                    ax.annotate("withheld", xy=(lv.concurrency, top), xytext=(0, 6),
+                                textcoords="offset points", ha="center", va="bottom",
+                                color="#a33", annotation_clip=True)
             ax.set_ylabel("time to first audio (ms)")
-            if ax.get_legend_handles_labels()[1]:  # none when every level was withheld
+            if ax.get_legend_handles_labels()[1]:
                 ax.legend(title="percentile", loc="upper left")
         placed = [lv for lv in run.levels if lv.calls]
         if not placed:
@@ -669,6 +678,13 @@ def _plot_gaps_over_time(run: _Run, duration_s: float | None) -> tuple[str, bool
                 ax_calls.legend(loc="upper right", title="calls placed, by outcome")
             ax_ms.bar(starts, gap_ms, width=1.0, align="edge", color=_PALETTE[5])
             ax_n.bar(starts, gap_count, width=1.0, align="edge", color=_PALETTE[0])
+            for ax, values in ((ax_ms, gap_ms), (ax_n, gap_count)):
+                if not values.any():
+                    # Not matplotlib's 0-0.05 axis around nothing: say there was nothing.
+                    ax.set_ylim(0, 1)
+                    ax.set_yticks([0, 1])
+                    ax.text(0.5, 0.5, "no gaps heard", ha="center", va="center",
+                            transform=ax.transAxes, color="#666666")
             spans: dict[int, list[float]] = {}
             for level, at, _ in turns:
                 spans.setdefault(level, []).append(at)
@@ -689,6 +705,8 @@ def _plot_gaps_over_time(run: _Run, duration_s: float | None) -> tuple[str, bool
             ax_n.set_xlim(0, buckets)
             for ax in (ax_calls, ax_ms, ax_n):
                 ax.set_ylim(bottom=0)
+                if ax is not ax_calls and ax.get_ylim()[1] < 1:
+                    ax.set_ylim(0, 1)
         ax_calls.set_title("Calls placed (completed, refused, failed) and audio gaps "
                            "(underruns heard by callers) over the run")
         return _svg(fig, "gaps-over-time"), restarted
@@ -711,11 +729,12 @@ def _levels_rows(run: _Run) -> list[dict[str, Any]]:
         timeouts[call.level] += sum(t.timed_out for t in call.turns)
     rows = []
     for index, lv in enumerate(run.levels):
+        shown = _Pcts() if lv.withheld else lv.ttfa  # withheld figures are not printed
         rows.append({
             "cells": [run.level_label(index), f"{lv.calls:,}", f"{lv.completed:,}",
                       f"{lv.refused:,}", f"{lv.errors:,}", _fmt(lv.placed_per_s, 2),
-                      f"{timeouts[index]:,}", _fmt(lv.ttfa.p50), _fmt(lv.ttfa.p95),
-                      _fmt(lv.ttfa.p99), f"{lv.gaps:,}", _fmt(lv.gap_ms), _fmt(lv.mos, 2),
+                      f"{timeouts[index]:,}", _fmt(shown.p50), _fmt(shown.p95),
+                      _fmt(shown.p99), f"{lv.gaps:,}", _fmt(lv.gap_ms), _fmt(lv.mos, 2),
                       _fmt(lv.r_factor, 1), _fmt(lv.characters_per_s, 1),
                       _fmt(lv.lateness.p99, 2)],
             "verdict": _verdict(lv), "withheld": lv.withheld,
@@ -761,12 +780,20 @@ def _cause_rows(run: _Run) -> list[dict[str, str]]:
         for index, lv in enumerate(run.levels):
             for outcome, grouped in (("refused", lv.refused_by), ("failed", lv.failures_by)):
                 for cause, n in grouped:
+                    if outcome == "failed" and cause.startswith("gateway: "):
+                        continue  # the gateway's turns: their own rows below
                     counts[(outcome, cause)] += n
                     levels.setdefault((outcome, cause), set()).add(index)
-    return [{"calls": f"{count:,}", "outcome": outcome,
+    rows = [{"calls": f"{count:,}", "outcome": outcome,
              "levels": ", ".join(run.level_label(i) for i in sorted(levels[(outcome, cause)])),
              "cause": cause}
             for (outcome, cause), count in counts.most_common()]
+    for index, lv in enumerate(run.levels):
+        # Not per call: the gateway's own counts of the turns it failed.
+        for cause, n in lv.gateway_failures_by:
+            rows.append({"calls": "-", "outcome": "failed", "levels": run.level_label(index),
+                         "cause": f"{n:,} turn(s) the gateway failed: {cause}"})
+    return rows
 
 
 def _slowest_rows(run: _Run, limit: int = 10) -> list[list[str]]:
@@ -886,9 +913,11 @@ def render_summary_table(data: Mapping[str, Any]) -> RenderableType:
         for index in indexes:
             lv = run.levels[index]
             verdict = _verdict(lv)
+            # Withheld figures are not shown: a number beside "withheld" still gets read.
+            shown = _Pcts(None, None, None, None) if lv.withheld else lv.ttfa
             table.add_row(
                 lv.label, f"{lv.calls:,}", f"{lv.refused:,}", f"{lv.errors:,}",
-                _fmt(lv.ttfa.p50), _fmt(lv.ttfa.p95), _fmt(lv.ttfa.p99), f"{lv.gaps:,}",
+                _fmt(shown.p50), _fmt(shown.p95), _fmt(shown.p99), f"{lv.gaps:,}",
                 _fmt(lv.mos, 2),
                 f"[{_STYLES[verdict]}]{verdict}[/]" if verdict in _STYLES else verdict,
                 style="dim" if lv.withheld else None,
@@ -900,6 +929,12 @@ def render_summary_table(data: Mapping[str, Any]) -> RenderableType:
                     f"({_fmt(lv.placed_per_s, 2)}/s), {lv.completed:,} completed, "
                     f"{lv.refused:,} refused, {lv.errors:,} failed")
             parts.append(Text(line))
+            if lv.gateway_failures_by:
+                turns = sum(n for _, n in lv.gateway_failures_by)
+                parts.append(Text(f"{lv.label}: {turns:,} turn(s) failed in the gateway "
+                                  "(its /metrics; counted as failed): "
+                                  + "; ".join(f"{n:,} {cause}"
+                                              for cause, n in lv.gateway_failures_by)))
             if lv.characters_per_s:
                 parts.append(Text(f"{lv.label}: {lv.characters_per_s:,.1f} characters/s "
                                   "synthesised (live sentences heard whole)"))

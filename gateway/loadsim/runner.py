@@ -45,6 +45,7 @@ import logging
 import multiprocessing
 import random
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -59,8 +60,9 @@ if TYPE_CHECKING:
     from gateway.loadsim.sip_caller import SipCaller
     from gateway.loadsim.twilio_caller import Ticker, TwilioCaller
 
-__all__ = ["READYZ_BUDGET_FIELD", "SCENARIOS", "LoadConfig", "budget_warning", "probe_readyz",
-           "redial_delay", "result_document", "run_calls", "run_level", "scrape_metrics"]
+__all__ = ["GATEWAY_FAILURES", "READYZ_BUDGET_FIELD", "SCENARIOS", "LoadConfig",
+           "budget_warning", "new_call_sid", "probe_readyz", "redial_delay", "result_document",
+           "run_calls", "run_level", "scrape_metrics", "think_time"]
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +108,14 @@ class LoadConfig:
     #: Wall-clock start of the whole run: turn times are seconds since it, across levels and
     #: worker processes (set by run_level when unset).
     run_started_wall: float = 0.0
+    #: The caller's number (``--from``) and the number dialled (``--to``: it picks the line
+    #: of a lines file; Twilio's ``To``, the user of the SIP Request-URI).
     caller_id: str = "+15550000000"
     called: str = "+15550009999"
+    #: Spread of the callers' timing, so they do not move in lockstep: each think time is drawn
+    #: from ``think_s`` x [1 - jitter, 1 + jitter], and each caller of a level places its first
+    #: call after a uniform delay in [0, jitter x (think_s + listen_s)] (seeded by ``seed``).
+    jitter: float = 0.5
 
     def base_url(self) -> str:
         """The gateway's HTTP base (Twilio target), without a trailing slash."""
@@ -143,6 +151,17 @@ class LoadConfig:
 
 
 Progress = Callable[[dict[str, Any]], None]
+
+
+def new_call_sid() -> str:
+    """A CallSid as Twilio writes them (``CA`` + 32 hex digits), random: unique across hosts."""
+    return "CA" + uuid.uuid4().hex
+
+
+def think_time(config: LoadConfig, rng: random.Random) -> float:
+    """One think time: ``think_s`` spread by ``jitter`` (uniform), never negative."""
+    j = min(max(config.jitter, 0.0), 1.0)
+    return max(0.0, config.think_s * rng.uniform(1 - j, 1 + j))
 
 
 def redial_delay(outcome: str, backoff_s: float, rng: random.Random) -> float:
@@ -196,6 +215,8 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
     counters = _Counters()
     calls: list[CallRecord] = []
     ids = itertools.count(1)
+    # Callers dial over a short spread, not all in the same millisecond (then in bursts).
+    spread = config.jitter * (config.think_s + config.listen_s)
     limits = httpx.Limits(max_connections=max(10, concurrency), max_keepalive_connections=10)
     http = httpx.AsyncClient(timeout=httpx.Timeout(config.turn_timeout_s, connect=5.0),
                              limits=limits)
@@ -210,7 +231,9 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
             if config.transport == "sip":
                 await _sip_call(config, record, started, rng)
             else:
-                call_sid = f"CA{worker:04d}{level:04d}{n:024d}"
+                # Unique across simulator hosts, processes and runs (as Twilio's are): several
+                # hosts' calls may reach one replica, which refuses a second stream of a CallSid.
+                call_sid = record.call_id = new_call_sid()
                 await _twilio_call(config, record, ticker, http, started, call_sid, rng)
         except Exception as exc:
             from gateway.loadsim.twilio_caller import describe
@@ -229,6 +252,9 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
         # Every caller of the level dials at least once, however late its task first runs (a
         # busy machine can start it after a short level's end): a level of N callers places
         # at least N calls.
+        if spread > 0:
+            await asyncio.sleep(max(0.0, min(rng.uniform(0, spread),
+                                              stop_at - time.monotonic())))
         while True:
             record = await one_call()
             wait = redial_delay(record.outcome, config.backoff_s, rng)
@@ -348,7 +374,7 @@ async def _scenario(config: LoadConfig, leg: _Leg, t0: float, rng: random.Random
                            f"the greeting never ended (no end within {UTTERANCE_LIMIT_S:g} s)")
         answer.chars = len(config.greeting_text())
     for number, keys in enumerate(config.turns(), start=2):
-        await asyncio.sleep(0.2 if config.scenario == "barge-in" else config.think_s)
+        await asyncio.sleep(0.2 if config.scenario == "barge-in" else think_time(config, rng))
         if leg.gone() is not None:
             return turns, f"{leg.gone()} before turn {number} (keys {keys})"
         now = time.monotonic()
@@ -558,11 +584,12 @@ async def _sip_call(config: LoadConfig, record: CallRecord, t0: float,
     from gateway.loadsim.sip_caller import CallFailed, CallTimeout, SipCaller
     from gateway.sip.sdp import SdpError
 
-    caller = SipCaller(caller_id=config.caller_id.lstrip("+") or "loadsim")
+    caller = SipCaller(caller_id=config.caller_id.replace(" ", "").lstrip("+") or "loadsim")
     turns: list[tuple[Turn, float]] = []
     try:
         try:
-            await caller.call(config.sip_target(), timeout_s=config.turn_timeout_s)
+            await caller.call(config.sip_target(), user=config.called.replace(" ", ""),
+                              timeout_s=config.turn_timeout_s)
         except CallFailed as exc:
             cause = f"SIP {exc.status} {exc.reason}".strip()
             if exc.refused:
@@ -577,6 +604,7 @@ async def _sip_call(config: LoadConfig, record: CallRecord, t0: float,
             record.fail(f"unusable SDP answer: {exc}")
             return
         record.setup_ms = caller.setup_ms
+        record.call_id = caller.call_id
         leg = _SipLeg(caller)
         turns, unanswered = await _scenario(config, leg, t0, rng)
         if unanswered is not None:
@@ -615,6 +643,21 @@ async def _poll(check: Callable[[], float | None], timeout_s: float,
 
 
 # --- the gateway's own view: /readyz and /metrics ---------------------------------------------
+
+#: Turns the gateway itself failed, by counter in /metrics: (cause, the ``result`` label that
+#: means a failure, or None for every sample). Callers cannot always hear these (a speech gather
+#: whose recogniser failed prompts again and takes keys), so the simulator reads them there.
+GATEWAY_FAILURES: dict[str, tuple[str, str | None]] = {
+    "gateway_speech_turns_total": (
+        "speech recognition failed (gateway_speech_turns_total{result=failed})", "failed"),
+    "gateway_speech_failures_total": (
+        "an utterance was not heard: TTS failed (gateway_speech_failures_total)", None),
+    "gateway_webhook_failures_total": (
+        "a script webhook failed: the call went to its error node "
+        "(gateway_webhook_failures_total)", None),
+    "gateway_calls_protocol_errors_total": (
+        "a call was closed for a malformed message (gateway_calls_protocol_errors_total)", None),
+}
 
 #: The /readyz field the simulator reads the replica's call budget from.
 READYZ_BUDGET_FIELD = "max_calls"
@@ -676,6 +719,11 @@ def scrape_metrics(base: str | None, timeout_s: float = 3.0) -> dict[str, float]
                 key = "refused"
             elif sample.name == "gateway_calls_total":
                 key = "calls"
+            elif sample.name in GATEWAY_FAILURES:
+                cause, result = GATEWAY_FAILURES[sample.name]
+                if result is not None and sample.labels.get("result") != result:
+                    continue
+                key = f"failed:{cause}"
             else:
                 continue
             values[key] = values.get(key, 0.0) + sample.value

@@ -783,8 +783,12 @@ class SipCaller:
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
         silence_threshold: int = SILENCE_THRESHOLD,
         rng: random.Random | None = None,
+        on_audio: Callable[[float, bytes, bool], None] | None = None,
     ) -> None:
         self.caller_id = caller_id
+        #: Told of every audio packet received, in arrival order: (arrival, mu-law payload,
+        #: marker bit). The softphone plays from it; the load simulator leaves it unset.
+        self.on_audio = on_audio
         self.t1 = t1
         self._clock = clock
         self.pacer = FramePacer(clock, sleep)
@@ -859,6 +863,11 @@ class SipCaller:
     def pacing(self) -> PacingStats:
         """Scheduling lateness of every RTP packet sent (ms)."""
         return self.pacer.stats
+
+    @property
+    def call_id(self) -> str:
+        """The SIP Call-ID of the call ("" before :meth:`call`)."""
+        return self._call_id
 
     @property
     def packets_sent(self) -> int:
@@ -1491,6 +1500,11 @@ class SipCaller:
             self.rtp.record(data, addr, arrival)
         except RtpError as exc:
             self._error(f"rtp: malformed packet from {addr}: {exc}")
+            return
+        if self.on_audio is not None:
+            packet = RtpPacket.parse(data)
+            if packet.payload_type == self.rtp.audio_pt:
+                self.on_audio(arrival, packet.payload, packet.marker)
 
     def _on_rtcp(self, data: bytes, addr: tuple[str, int]) -> None:
         self.rtp.rtcp += 1

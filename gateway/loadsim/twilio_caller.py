@@ -36,7 +36,7 @@ import json
 import logging
 import time
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,8 +297,13 @@ class TwilioCaller:
     """One simulated Media Stream, opened at the URL the voice webhook's TwiML named."""
 
     def __init__(self, stream_url: str, parameters: dict[str, str], auth_token: str | None,
-                 call_sid: str, ticker: Ticker) -> None:
+                 call_sid: str, ticker: Ticker,
+                 on_event: Callable[[str, float, bytes | str], None] | None = None) -> None:
         self.stream_url = stream_url
+        #: Told of every message as it arrives, in order: ("media", arrival, mu-law bytes),
+        #: ("mark", arrival, name), ("clear", arrival, ""). The softphone plays and prints from
+        #: it; the load simulator leaves it unset and decodes no audio.
+        self.on_event = on_event
         self.parameters = dict(parameters)
         self.auth_token = auth_token
         self.call_sid = call_sid
@@ -440,20 +445,28 @@ class TwilioCaller:
                     seconds = ((end - start) * 3 // 4 - padding) / 8000
                     heard.add_media(now, seconds)
                     self._playout_end = max(self._playout_end, now) + seconds
+                    if self.on_event is not None:
+                        self.on_event("media", now, base64.b64decode(raw[start:end]))
                     self.changed.set()
                     continue
                 message = json.loads(raw)
                 event = message.get("event")
                 if event == "media":
-                    seconds = len(base64.b64decode(message["media"]["payload"])) / 8000
-                    heard.add_media(now, seconds)
-                    self._playout_end = max(self._playout_end, now) + seconds
+                    audio = base64.b64decode(message["media"]["payload"])
+                    heard.add_media(now, len(audio) / 8000)
+                    self._playout_end = max(self._playout_end, now) + len(audio) / 8000
+                    if self.on_event is not None:
+                        self.on_event("media", now, audio)
                 elif event == "mark":
                     name = message["mark"]["name"]
                     heard.add_mark(now, name)
                     self._pending_marks.append((self._playout_end, name))
+                    if self.on_event is not None:
+                        self.on_event("mark", now, name)
                 elif event == "clear":
                     heard.add_clear(now)
+                    if self.on_event is not None:
+                        self.on_event("clear", now, "")
                     self._playout_end = now
                     self._pending_marks = [(now, name) for _, name in self._pending_marks]
                 self.changed.set()

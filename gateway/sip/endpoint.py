@@ -223,7 +223,7 @@ class SipMedia:
             self.stats.flooded += 1
             if self.rate.dropped == 1:
                 log.warning("sip call %s: inbound RTP over %g packets/s; dropping the excess",
-                            self.key[:24], self.rate.rate)
+                            _call_name(self.key), self.rate.rate)
             if self._dropped_metric is not None:
                 self._dropped_metric.inc()
             return
@@ -371,14 +371,14 @@ class SipEndpoint:
             elif isinstance(effect, CallAnswered):
                 pass  # handled inline by _incoming, which called answer()
             elif isinstance(effect, CallConfirmed):
-                log.info("sip call %s confirmed (ACK)", effect.key[:24])
+                log.info("sip call %s confirmed (ACK)", _call_name(effect.key))
             elif isinstance(effect, MediaChanged):
                 media = self.media.get(effect.key)
                 if media is not None:
                     media.answer = effect.answer
                     media.on_hold = effect.answer.on_hold or effect.answer.direction in (
                         "recvonly", "inactive")
-                    log.info("sip call %s media %s", effect.key[:24],
+                    log.info("sip call %s media %s", _call_name(effect.key),
                              "on hold" if media.on_hold else "resumed")
             elif isinstance(effect, CallEnded):
                 self._spawn(self._finish(effect.key, effect.reason))
@@ -421,7 +421,7 @@ class SipEndpoint:
             return
         media = SipMedia(self, event.key, answered.answer, sock, protocol)
         self.media[event.key] = media
-        call_id = f"sip-{dialog.call_id}"
+        call_id = _call_name(event.key)
         call = self.lifecycle.start(
             event.key, media,
             transport_name="sip",
@@ -463,7 +463,7 @@ class SipEndpoint:
         if media is not None:
             media.close()
             log.info("sip call %s ended (%s): %d RTP sent, %d received, jitter %.1f ms",
-                     key[:24], reason, media.stats.sent, media.stats.received,
+                     _call_name(key), reason, media.stats.sent, media.stats.received,
                      media.rx.jitter_ms)
 
     # --- commands from calls ------------------------------------------------------------------
@@ -483,7 +483,7 @@ class SipEndpoint:
         pending = self._transfers.get(key)
         if pending is not None:
             log.warning("sip call %s: transfer to %s while a transfer is pending; it waits for "
-                        "that one", key[:24], target)
+                        "that one", _call_name(key), target)
             with contextlib.suppress(TimeoutError):
                 # Shielded: this waiter giving up must not cancel the first one's outcome.
                 await self.clock.wait_for(asyncio.shield(pending), TRANSFER_TIMEOUT_S)
@@ -511,5 +511,11 @@ class SipEndpoint:
             # Documented limitation: a peer that refuses REFER cannot be transferred by this
             # endpoint (no B2BUA bridging); the caller is hung up with a log line.
             log.warning("sip call %s: transfer to %s refused by the peer; hanging up",
-                        key[:24], target)
+                        _call_name(key), target)
         self.hangup(key)
+
+
+def _call_name(key: str) -> str:
+    """A SIP call as every log line names it: ``sip-<Call-ID>``, the id its call, trace and
+    utterances carry (a dialog's key is the Call-ID and the caller's tag)."""
+    return f"sip-{key.split(';', 1)[0]}"

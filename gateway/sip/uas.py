@@ -570,6 +570,10 @@ class UasCore:
     def _on_ack(self, request: SipRequest) -> list[Effect]:
         dialog = self.dialogs.get(_key(request))
         if dialog is None or request.to_tag != dialog.local_tag:
+            if (_branch(request), "INVITE") in self._responses:
+                # The ACK of a final response we sent that INVITE (486 at capacity, 488, 503...):
+                # it ends that INVITE server transaction (RFC 3261 17.2.1), nothing is wrong.
+                return []
             return [Dropped("ACK for no dialog")]
         if dialog.ok is not None and request.cseq[0] == dialog.ok_cseq:
             dialog.ok = None
