@@ -171,7 +171,8 @@ class Metrics:
         self.tts_rows_waiting = Gauge(
             "gateway_tts_rows_waiting",
             "Rows that did not advance in the last batched step: waiting on their consumer "
-            "(backpressure), yielding to an urgent turn (urgency), or still prefilling.",
+            "(backpressure), yielding to an urgent turn (urgency), still prefilling, or waiting "
+            "for a bot's next words (text).",
             ["reason"], registry=r,
         )
         self.tts_cancel_to_free = Histogram(
@@ -181,6 +182,12 @@ class Metrics:
         self.tts_underruns = Counter(
             "gateway_tts_underruns_total",
             "Chunks that arrived after the previous audio would have finished playing.",
+            registry=r,
+        )
+        self.tts_text_underruns = Counter(
+            "gateway_tts_text_underruns_total",
+            "Streaming-text turns (a bot's answer) that read all the text they had and sat out "
+            "steps waiting for more: the bot streams slower than the voice speaks.",
             registry=r,
         )
         self.tts_failures = Counter(

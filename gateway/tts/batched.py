@@ -157,6 +157,10 @@ class BatchRow:
     output: _RowOutput | None = None
     #: The row's slot of the batched codec decoder's state (stable for the row's life).
     codec_slot: int = -1
+    #: Text tokens on the row's text track, and whether its text is complete (a streaming
+    #: turn's is not until its last piece arrives).
+    text_tokens: int = 0
+    text_done: bool = True
     #: With ``record_codes``: each frame's codes ``[16]`` and each chunk's ``[n, 16]`` (host);
     #: with ``record_logits``: per step, the talker logits the next token was sampled from
     #: and the code predictor's logits ``[15, vocab]`` for codebooks 1-15.
@@ -172,6 +176,10 @@ class BatchRow:
     @property
     def prefilling(self) -> bool:
         return not self.ready
+
+    @property
+    def waiting_for_text(self) -> bool:
+        return not self.text_done and self.frames >= self.text_tokens
 
     @property
     def frames_to_chunk(self) -> int:
@@ -455,11 +463,22 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         instruct = request.instruct if self.shared.model_size != "0b6" else None
         voice = request.voice_prompt
         ref_codes = None
+        streaming = request.text_stream
+        if streaming and not request.text.strip():
+            raise EngineError("a streaming-text turn starts with its first words")
+        if streaming and request.voice_prompt is not None:
+            # A cloned voice reads its text alongside the reference clip's frames in the
+            # prompt: a short text is all in the prompt, with nothing left to extend.
+            raise EngineError("streaming text needs a built-in speaker, not a cloned voice")
         with _quiet_stdout():
             if voice is None:
+                # Streaming text: the prompt holds the first text token and the talker reads
+                # the rest one token per frame (qwen-tts's streaming mode), so text can keep
+                # arriving; otherwise the whole text is in the prompt.
                 _m, _t, _c, tie, _tam, tth, tpe = self._prompts._prepare_generation_custom(
                     text=request.text, language=request.language,
-                    speaker=request.speaker.lower(), instruct=instruct, non_streaming_mode=True,
+                    speaker=request.speaker.lower(), instruct=instruct,
+                    non_streaming_mode=not streaming,
                 )
             else:
                 # A cloned voice (ICL): the reference clip's codes and transcript lead the
@@ -476,7 +495,9 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
                 f"prompt of {prompt_len} tokens leaves no room in a {self.max_seq_len}-position "
                 "row (GATEWAY_MAX_SEQ_LEN)"
             )
-        max_frames = min(request.max_frames or self.shared.default_frames(request.text), room)
+        # A streaming turn's length is unknown when it opens: its EOS or its row ends it.
+        default = room if streaming else self.shared.default_frames(request.text)
+        max_frames = min(request.max_frames or default, room)
         row = BatchRow(
             request=request, sampling=sampling, seed=seed, max_frames=max_frames,
             # EOS is suppressed for the first frames (2 upstream; min_frames forces a length).
@@ -488,13 +509,18 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
         # prompt (qwen-tts's trailing_text_hidden), then padding: in the text buffer at the
         # row's slot, so a step gathers every row's next token in one indexed read.
         trailing = tth[0]
+        if streaming:
+            # The text's end marker (tts_eos) comes after its last piece, not now.
+            self._eos_embed.copy_(trailing[-1].to(self._eos_embed.dtype))
+            trailing = trailing[:-1]
+            row.text_done = False
         if trailing.shape[0] > self._text_cap:
             self._free_slots.append(row.codec_slot)
             raise EngineError(f"text of {trailing.shape[0]} tokens is longer than a turn may be "
                               f"({self._text_cap}); split it into sentences")
         slot = row.codec_slot
         self._text[slot, : trailing.shape[0]] = trailing.to(self._text.dtype)
-        self._text_len[slot] = int(trailing.shape[0])
+        self._text_len[slot] = row.text_tokens = int(trailing.shape[0])
         self._pad_embed.copy_(tpe[0, 0].to(self._pad_embed.dtype))
         self._draws.start(slot, seed)
         self._rows.append(row)
@@ -676,6 +702,8 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
                 raise ValueError("only ready, unfinished rows can step")
             if row.output is not None and row.output.pending >= self._max_chunk:
                 raise ValueError("a row's due chunk must be decoded before it steps again")
+            if row.waiting_for_text:
+                raise ValueError("a streaming row has read all its text: it waits for more")
         index = [row.index for row in rows]
         if self.cuda_graphs:
             # A graph per batch bucket: the step runs at the bucket, padding rows masked.
@@ -752,6 +780,38 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
             elif row.frames >= row.max_frames:
                 row.finished = "cap"
         return bucket
+
+    @_inference
+    def extend_text(self, row: EngineRow, text: str, last: bool) -> int:
+        """Append ``text`` to a streaming turn's text track (whole words: tokenised alone, a
+        piece that starts at a word boundary gives the tokens the whole text would); ``last``
+        adds the text's end marker. Returns the tokens added."""
+        import torch
+
+        own = self._own(row)
+        if own.text_done:
+            raise EngineError("this turn's text is complete; nothing more can be added")
+        talker = self._talker
+        added = 0
+        pieces = []
+        if text:
+            ids = self.shared.base.processor(text=text, return_tensors="pt")["input_ids"]
+            ids = ids.to(self.device)
+            pieces.append(talker.text_projection(talker.get_text_embeddings()(ids))[0])
+        if last:
+            pieces.append(self._eos_embed[None, :])
+        if not pieces:
+            return 0
+        embeds = torch.cat(pieces).to(self._text.dtype)
+        slot = own.codec_slot
+        start = self._text_len[slot]
+        if start + embeds.shape[0] > self._text_cap:
+            raise EngineError(f"a turn's text may hold at most {self._text_cap} tokens")
+        self._text[slot, start : start + embeds.shape[0]] = embeds
+        added = int(embeds.shape[0]) - (1 if last else 0)
+        self._text_len[slot] = own.text_tokens = start + int(embeds.shape[0])
+        own.text_done = last
+        return added
 
     def drop_pending(self, row: EngineRow) -> None:
         """Forget ``row``'s frames not decoded yet (benchmarks and tests that measure or check
@@ -1112,6 +1172,7 @@ class BatchedQwenEngine(OverSharedModel, BatchEngine):
             self._text = torch.zeros(cap + 1, self._text_cap, hidden, dtype=dtype, device=dev)
             self._text_len = [0] * (cap + 1)
             self._pad_embed = torch.zeros(hidden, dtype=dtype, device=dev)
+            self._eos_embed = torch.zeros(hidden, dtype=dtype, device=dev)
             self._draws = BatchDraws(cap + 1)
             self._codec_index = torch.zeros(cap, dtype=long, device=dev)
             codec_dtype = self._codec.dtype if self._codec is not None else f32

@@ -114,6 +114,7 @@ class TurnOutput(TurnSink, Protocol):
     def abandoned(self) -> bool: ...
     def attach(self, wake: Callable[[], None]) -> None: ...
     def waiting_on_consumer(self, blocked: bool) -> None: ...
+    def take_text(self) -> tuple[str, bool] | None: ...
     def deliver(self, audio: Any, now: float, outbox: Outbox) -> None: ...
     def end(self, outbox: Outbox) -> None: ...
     def fail(self, exc: BaseException, outbox: Outbox) -> None: ...
@@ -142,9 +143,10 @@ class CoreEvents(Protocol):
     def iteration(self, rows: int, host_s: float) -> None:
         """An iteration that stepped ``rows`` rows spent ``host_s`` on the host."""
     def prefilled(self, seconds: float) -> None: ...
-    def rows_waiting(self, *, backpressure: int, urgency: int, prefill: int) -> None: ...
+    def rows_waiting(self, *, backpressure: int, urgency: int, prefill: int,
+                     text: int = 0) -> None: ...
     def counted(self, *, pauses: int = 0, backpressure_waits: int = 0,
-                restarted: int = 0) -> None: ...
+                restarted: int = 0, text_underruns: int = 0) -> None: ...
     def rebuilt(self, core: EngineCore) -> None: ...
     def retired(self, core: EngineCore) -> None: ...
     def back_in_service(self, core: EngineCore) -> None: ...
@@ -270,6 +272,7 @@ class EngineCore:
             self._settle(admission)
             ran = False
             try:
+                self._feed_text()
                 ran = self._prefill()
                 if not self.stuck:
                     ran = self._step_and_emit() or ran
@@ -328,6 +331,25 @@ class EngineCore:
             log.warning("tts: could not start %r: %s", request.text[:60], exc)
             self._fail(turn, exc)
 
+    # --- streamed text -----------------------------------------------------------------------
+
+    def _feed_text(self) -> None:
+        """Hand the text that arrived for streaming turns to their rows' text tracks."""
+        for turn in list(self.scheduler.running):
+            row = _row(turn)
+            if row is None or turn.sink.stopping:
+                continue
+            piece = _out(turn).take_text()
+            if piece is None:
+                continue
+            text, last = piece
+            try:
+                self.engine.extend_text(row, text, last)
+            except Exception as exc:
+                log.warning("tts: could not extend %r's text: %s",
+                            turn.payload.request.text[:60], exc)
+                self._fail(turn, exc)
+
     # --- prefill --------------------------------------------------------------------------------
 
     def _prefill(self) -> bool:
@@ -381,10 +403,11 @@ class EngineCore:
         now = self.clock()
         plan = scheduler.plan_step(now)
         self.events.rows_waiting(backpressure=plan.backpressure, urgency=plan.urgency,
-                                 prefill=plan.prefilling)
-        if plan.new_pauses or plan.new_backpressure_waits:
+                                 prefill=plan.prefilling, text=plan.text)
+        if plan.new_pauses or plan.new_backpressure_waits or plan.new_text_underruns:
             self.events.counted(pauses=plan.new_pauses,
-                                backpressure_waits=plan.new_backpressure_waits)
+                                backpressure_waits=plan.new_backpressure_waits,
+                                text_underruns=plan.new_text_underruns)
         blocked = {id(t) for t in plan.blocked}
         for turn in scheduler.running:
             _out(turn).waiting_on_consumer(id(turn) in blocked)

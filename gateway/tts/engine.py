@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gateway.errors import EngineError
+
 #: Qwen3-TTS output rate (the 12 Hz codec decodes 1920 samples per 80 ms frame).
 SAMPLE_RATE = 24_000
 #: Samples per codec frame at 24 kHz.
@@ -102,6 +104,10 @@ class SpeechRequest:
     #: Sampling settings for this turn (None: the model's published defaults). Honoured per
     #: row by the batched engine; the benchmark's slot engine samples with the defaults only.
     sampling: Sampling | None = None
+    #: The text arrives while the turn runs (a bot streaming its answer): ``text`` is its
+    #: beginning, the rest is fed to the turn's stream (``SpeechStream.feed``) and the talker
+    #: reads it on its text track as it comes (Qwen3-TTS's streaming mode).
+    text_stream: bool = False
     #: Free-form labels carried to logs and metrics (call id, turn id); not used by engines.
     tags: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -205,6 +211,12 @@ class EngineRow(Protocol):
         """Frames still to generate before the row's next chunk is due."""
         ...
 
+    @property
+    def waiting_for_text(self) -> bool:
+        """A streaming-text turn that has read all the text it has so far: it must sit out
+        until more arrives (stepping it would read padding)."""
+        ...
+
 
 class BatchEngine(Engine):
     """An engine whose rows one loop advances together (see :mod:`gateway.tts.core`).
@@ -252,6 +264,11 @@ class BatchEngine(Engine):
     @abc.abstractmethod
     def step(self, rows: Sequence[EngineRow]) -> int:
         """Advance ``rows`` one codec frame in one batched step; returns the batch size run."""
+
+    def extend_text(self, row: EngineRow, text: str, last: bool) -> int:
+        """Append ``text`` (whole words) to a streaming-text turn's text track; ``last`` ends
+        it. Returns the text tokens added. Default: the engine has no text track."""
+        raise EngineError(f"{self.name} cannot take text while a turn runs")
 
     @abc.abstractmethod
     def next_chunk(self, row: EngineRow) -> np.ndarray | None:

@@ -16,7 +16,9 @@ and tells it what it measured:
    each is prefilled together when the budget allows, so every one of them gets its first frame
    from the same step.
 3. :meth:`Scheduler.plan_step` -- **who advances.** Every ready row, except rows that sit this
-   step out: a row whose consumer holds ``max_backlog`` chunks it has not taken (backpressure), and
+   step out: a streaming-text row that has read all the text it has (a text underrun: it would
+   read padding), a row whose consumer holds ``max_backlog`` chunks it has not taken
+   (backpressure), and
    a row more than ``ahead_high_s`` ahead of playback while another turn waits for its first audio
    or is about to run dry (until its lead is down to ``ahead_low_s``). Then the order rows' due
    chunks are decoded in: turns waiting for first audio first, then by lead.
@@ -91,6 +93,9 @@ class RowView(Protocol):
     @property
     def frames_to_chunk(self) -> int: ...
 
+    @property
+    def waiting_for_text(self) -> bool: ...
+
 
 @dataclass(eq=False)
 class Turn:
@@ -108,6 +113,8 @@ class Turn:
     paused: bool = False
     #: Since when it has waited on its consumer (None: not waiting).
     blocked_since: float | None = None
+    #: Sitting out because its streamed text has not arrived (a text underrun under way).
+    text_wait: bool = False
 
     @property
     def waiting_for_first_audio(self) -> bool:
@@ -199,9 +206,13 @@ class StepPlan:
     backpressure: int = 0
     urgency: int = 0
     prefilling: int = 0
-    #: Newly started waits: backpressure waits and urgency pauses (for the counters).
+    #: Streaming-text turns that read all their text so far and wait for more.
+    text: int = 0
+    #: Newly started waits: backpressure waits, urgency pauses and text underruns (for the
+    #: counters).
     new_backpressure_waits: int = 0
     new_pauses: int = 0
+    new_text_underruns: int = 0
     #: Turns whose consumer must wake the core when it takes a chunk (they sit out for it).
     blocked: list[Turn] = field(default_factory=list)
     #: The order due chunks are decoded in (first-audio turns first, then by lead).
@@ -338,6 +349,15 @@ class Scheduler:
         # Rows already playing that are about to run out: far-ahead rows make room for them.
         at_risk = [t for t in ready if t.sink.playing and leads[id(t)] < config.ahead_low_s]
         for turn in ready:
+            assert turn.row is not None
+            if turn.row.waiting_for_text:
+                # Stepping it would read padding where its next word belongs.
+                if not turn.text_wait:
+                    turn.text_wait = True
+                    plan.new_text_underruns += 1
+                plan.text += 1
+                continue
+            turn.text_wait = False
             if turn.sink.backlog >= config.max_backlog:
                 if turn.blocked_since is None:
                     turn.blocked_since = now

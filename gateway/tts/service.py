@@ -262,19 +262,24 @@ class SpeechService:
         if self.metrics is not None:
             self.metrics.tts_prefill_seconds.observe(seconds)
 
-    def rows_waiting(self, *, backpressure: int, urgency: int, prefill: int) -> None:
+    def rows_waiting(self, *, backpressure: int, urgency: int, prefill: int,
+                     text: int = 0) -> None:
         if self.metrics is not None:
             waiting = self.metrics.tts_rows_waiting
             waiting.labels("backpressure").set(backpressure)
             waiting.labels("urgency").set(urgency)
             waiting.labels("prefill").set(prefill)
+            waiting.labels("text").set(text)
 
     def counted(self, *, pauses: int = 0, backpressure_waits: int = 0,
-                restarted: int = 0) -> None:
+                restarted: int = 0, text_underruns: int = 0) -> None:
         with self._lock:
             self.stats.pauses += pauses
             self.stats.backpressure_waits += backpressure_waits
             self.stats.restarted += restarted
+            self.stats.text_underruns += text_underruns
+        if text_underruns and self.metrics is not None:
+            self.metrics.tts_text_underruns.inc(text_underruns)
 
     def rebuilt(self, core: EngineCore) -> None:
         with self._lock:

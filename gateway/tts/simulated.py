@@ -223,6 +223,9 @@ class SimRow:
     pending: int = 0
     target: int = 1
     epoch: int = 0
+    #: The text track: tokens so far, and whether the text is complete (streaming turns).
+    text_tokens: int = 0
+    text_done: bool = True
     codes: list[Any] = field(default_factory=list)
 
     @property
@@ -236,6 +239,10 @@ class SimRow:
     @property
     def frames_to_chunk(self) -> int:
         return max(0, self.target - self.pending) if self.ready else 0
+
+    @property
+    def waiting_for_text(self) -> bool:
+        return not self.text_done and self.frames >= self.text_tokens
 
 
 class SimulatedEngine(BatchEngine):
@@ -337,8 +344,28 @@ class SimulatedEngine(BatchEngine):
                      voice=_Voice(request.seed if request.seed is not None else id(request)),
                      planner=planner, epoch=self._epoch)
         row.target = planner.next_size()
+        if request.text_stream:
+            # As the real engine: the prompt holds the first text token, the rest is read
+            # one token a frame; the turn runs until its text is done and read.
+            row.text_tokens = max(0, tokens - profile.prompt_base_tokens - 1)
+            row.text_done = False
+            row.max_frames = request.max_frames or 10**6
         self._rows.append(row)
         return row
+
+    def extend_text(self, row: EngineRow, text: str, last: bool) -> int:
+        own = self._own(row)
+        if own.text_done:
+            raise EngineError("this turn's text is complete; nothing more can be added")
+        added = math.ceil(len(text) / self.profile.chars_per_token) if text else 0
+        own.text_tokens += added
+        if last:
+            own.text_done = True
+            # Speech runs ~3 frames a text token past the text's end (a word's sound is
+            # longer than its token), then the turn ends (the model's EOS).
+            own.max_frames = min(own.max_frames, own.frames + 3 * max(1, own.text_tokens -
+                                                                     own.frames) + 4)
+        return added
 
     def prefill(self, row: EngineRow) -> int:
         own = self._own(row)
@@ -370,6 +397,8 @@ class SimulatedEngine(BatchEngine):
         for row in own:
             if not row.ready or row.finished is not None:
                 raise ValueError("only ready, unfinished rows can step")
+            if row.waiting_for_text:
+                raise ValueError("a streaming row has read all its text: it waits for more")
             row.frames += 1
             row.pending += 1
             if row.frames >= max(row.max_frames, row.request.min_frames or 0):

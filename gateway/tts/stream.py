@@ -7,6 +7,7 @@ Split from :mod:`gateway.tts.service` so that the front and the engine core
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -68,6 +69,8 @@ class ServiceStats:
     backpressure_waits: int = 0
     #: Turns started over (not yet heard) after a failed batched step.
     restarted: int = 0
+    #: Streaming-text turns that caught up with their text and sat out for more.
+    text_underruns: int = 0
 
 
 class SpeechStream:
@@ -123,6 +126,11 @@ class SpeechStream:
         self._wake: Callable[[], None] | None = None
         #: Each frame's codec ids when the engine records them (tests, benchmarks).
         self.codes: list[Any] = []
+        # Streamed text: what the event loop fed, waiting for the core (a deque: appended on
+        # one thread, popped on the other), and a word cut short, held for the next piece.
+        self._text_in: collections.deque[tuple[str, bool]] = collections.deque()
+        self._text_held = ""
+        self._text_last = False
 
     @property
     def cancelled(self) -> bool:
@@ -190,6 +198,40 @@ class SpeechStream:
 
     async def aclose(self) -> None:
         self.cancel()
+
+    # --- streamed text: fed from the event loop, taken by the core ------------------------------
+
+    def feed(self, text: str, last: bool = False) -> None:
+        """More of a streaming-text turn's text (``request.text_stream``); ``last`` ends it.
+
+        Whole words reach the engine: a word cut at the end of ``text`` waits for the next
+        piece (or ``last``), so each piece the engine tokenises starts at a word boundary and
+        gives the tokens the whole text would.
+        """
+        if not self.request.text_stream:
+            raise EngineError("this turn's text was given whole; it takes no more")
+        if self._text_last:
+            raise EngineError("this turn's text has ended")
+        held = self._text_held + text
+        if last:
+            ready, self._text_held = held, ""
+        else:
+            cut = max(held.rfind(" "), held.rfind("\n"))
+            ready, self._text_held = (held[:cut], held[cut:]) if cut > 0 else ("", held)
+        self._text_last = last
+        if ready or last:
+            self._text_in.append((ready, last))
+            if self._wake is not None:
+                self._wake()
+
+    def take_text(self) -> tuple[str, bool] | None:
+        """Text fed since the last take (the core's thread), and whether it ended."""
+        pieces = []
+        while self._text_in:
+            pieces.append(self._text_in.popleft())
+        if not pieces:
+            return None
+        return "".join(text for text, _last in pieces), any(last for _t, last in pieces)
 
     # --- the output sink: called from the engine core's thread --------------------------------
 
