@@ -36,6 +36,7 @@ class Row:
     ready: bool = False
     finished: str | None = None
     to_chunk: int = 1
+    waiting_for_text: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -221,6 +222,20 @@ def test_a_row_about_to_run_dry_makes_far_ahead_rows_wait() -> None:
     # Nobody needs the room any more: the paused row resumes at once.
     dry.sink.lead_s = 0.9
     assert scheduler.plan_step(0.0).rows == [ahead, dry]
+
+
+def test_a_row_that_read_all_its_streamed_text_sits_out_and_the_underrun_is_counted_once(
+) -> None:
+    scheduler = Scheduler(_config())
+    talking, starved = _playing(0.6), _playing(0.6, waiting_for_text=True)
+    scheduler.running += [talking, starved]
+    plan = scheduler.plan_step(0.0)
+    assert plan.rows == [talking] and plan.text == 1 and plan.new_text_underruns == 1
+    assert scheduler.plan_step(0.02).new_text_underruns == 0  # the same wait goes on
+    starved.row.waiting_for_text = False  # type: ignore[union-attr]
+    assert scheduler.plan_step(0.04).rows == [talking, starved]
+    starved.row.waiting_for_text = True  # type: ignore[union-attr]
+    assert scheduler.plan_step(0.06).new_text_underruns == 1  # a new wait
 
 
 def test_due_chunks_are_decoded_first_audio_first_then_by_lead() -> None:
