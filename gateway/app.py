@@ -35,7 +35,7 @@ import os
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -65,7 +65,7 @@ from gateway.ivr.switchboard import Reloader, Switchboard, VersionBuilder, scrip
 from gateway.ivr.voices import VoiceRegistry
 from gateway.metrics import Metrics
 from gateway.readiness import Readiness
-from gateway.sip.endpoint import SipEndpoint
+from gateway.sip.endpoint import RTP_PLAYOUT, SipEndpoint
 from gateway.speech import Speaker, Voice
 from gateway.tts.engine import Engine, VoicePrompt
 from gateway.tts.service import SpeechService
@@ -520,7 +520,10 @@ async def _start_sip(gateway: Gateway, sock: socket.socket | None) -> SipEndpoin
     endpoint = SipEndpoint(gateway.lifecycle, config, metrics=gateway.metrics,
                            rtp_ports=settings.rtp_port_range,
                            answer_delay_s=settings.sip_answer_delay_ms / 1000,
-                           rtp_timeout_s=settings.sip_rtp_timeout_s)
+                           rtp_timeout_s=settings.sip_rtp_timeout_s,
+                           playout=replace(RTP_PLAYOUT, start_buffer_s=(
+                               settings.sip_start_buffer_ms / 1000
+                               if settings.sip_start_buffer_ms >= 0 else None)))
     await endpoint.start(host, port, sock=sock)
     return endpoint
 

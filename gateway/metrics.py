@@ -165,8 +165,24 @@ class Metrics:
         )
         self.tts_underruns = Counter(
             "gateway_tts_underruns_total",
-            "Chunks that arrived after the previous audio would have finished playing.",
+            "Engine side: chunks the engine handed on after a listener who started playing at "
+            "the turn's first chunk would have run out of audio (the engine fell behind "
+            "real time). Not what callers hear: see gateway_playout_underruns_total.",
             registry=r,
+        )
+        self.playout_underruns = Counter(
+            "gateway_playout_underruns_total",
+            "Caller side: gaps in the middle of an utterance as the call's playout sees them "
+            "(Twilio had played everything sent before the utterance's next frame went; an RTP "
+            "beat went out as silence while the utterance waited for audio). cause=engine: the "
+            "chunk that ended the gap came late from the engine too (also counted in "
+            "gateway_tts_underruns_total); cause=playout: it left the engine with lead to spare.",
+            ["transport", "cause"], registry=r,
+        )
+        self.playout_underrun_seconds = Counter(
+            "gateway_playout_underrun_seconds_total",
+            "Silence of the gaps counted in gateway_playout_underruns_total.",
+            ["transport", "cause"], registry=r,
         )
         self.tts_failures = Counter(
             "gateway_tts_failures_total", "Turns failed by an error inside the engine.",
