@@ -166,8 +166,10 @@ class Metrics:
         self.tts_underruns = Counter(
             "gateway_tts_underruns_total",
             "Engine side: chunks the engine handed on after a listener who started playing at "
-            "the turn's first chunk would have run out of audio (the engine fell behind "
-            "real time). Not what callers hear: see gateway_playout_underruns_total.",
+            "the turn's first chunk would have run out of audio (the engine fell behind real "
+            "time), added when the turn completes (a cancelled turn's are not). Not what callers "
+            "hear: the start buffer absorbs short ones, and the phone path can lose lead the "
+            "engine had; see gateway_playout_underruns_total.",
             registry=r,
         )
         self.playout_underruns = Counter(
@@ -178,6 +180,15 @@ class Metrics:
             "chunk that ended the gap came late from the engine too (also counted in "
             "gateway_tts_underruns_total); cause=playout: it left the engine with lead to spare.",
             ["transport", "cause"], registry=r,
+        )
+        self.playout_start_hold = Histogram(
+            "gateway_playout_start_hold_seconds",
+            "How long a live utterance's first frame waited in the playout (the start buffer: "
+            "what the phone path held back of the first chunk plus the transport's buffer), "
+            "part of gateway_first_audio_seconds.",
+            ["transport"], buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15,
+                                    0.25, 0.5),
+            registry=r,
         )
         self.playout_underrun_seconds = Counter(
             "gateway_playout_underrun_seconds_total",

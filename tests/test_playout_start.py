@@ -401,6 +401,9 @@ async def test_twilio_chunks_with_lead_to_spare_never_run_the_callers_buffer_dry
     # look-ahead, the resampler's delay, the framer's partial frame) plus the 20 ms buffer.
     for u in utterances:
         assert u.first_audio_s == pytest.approx(0.05 + 0.04, abs=0.006)
+    held = metrics.registry.get_sample_value("gateway_playout_start_hold_seconds_sum",
+                                             {"transport": "twilio"})
+    assert held == pytest.approx(3 * 0.04, abs=0.006)
 
 
 @pytest.mark.parametrize("lead_s", [0.005, 0.015])

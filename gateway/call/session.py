@@ -261,6 +261,9 @@ class Utterance:
     underrun_s: float = 0.0
     #: Whether the latest chunk of its speech stream came late from the engine itself.
     late_chunk: bool = False
+    #: When its first frame was queued for the playout (live speech: the start buffer holds it
+    #: from then until ``first_frame_at``).
+    first_queued_at: float | None = None
 
     def frames_released(self, count: int, at: float) -> None:
         """The playout handed ``count`` of this utterance's frames to the transport at ``at``."""
@@ -651,9 +654,13 @@ class Call:
         return utterance
 
     def _first_frame(self, utterance: Utterance) -> None:
+        assert utterance.first_frame_at is not None
+        if self._metrics is not None and not utterance.cached and \
+                utterance.first_queued_at is not None:
+            self._metrics.playout_start_hold.labels(self._transport_name).observe(
+                max(0.0, utterance.first_frame_at - utterance.first_queued_at))
         if not utterance.caller_turn:
             return
-        assert utterance.first_frame_at is not None
         latency = utterance.first_frame_at - utterance.turn_started_at
         if self._metrics is not None:
             source = "cached" if utterance.cached else "live"
@@ -738,6 +745,8 @@ class Call:
                 frames = pipeline.push(chunk)
                 if frames:
                     pushed = True
+                    if not framed:
+                        utterance.first_queued_at = clock.now()
                     framed += len(frames)
                     behind = taken / INPUT_RATE - framed * FRAME_S
                     await playout.push(frames, not_before=origin + max(0.0, behind))
