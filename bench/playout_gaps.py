@@ -17,6 +17,12 @@ simulator that runs late stamps frames late and hears gaps that were never sent.
     .venv/bin/python bench/playout_gaps.py                      # 1,2,4,8 callers, 40 s each
     .venv/bin/python bench/playout_gaps.py --quick              # 1,2,4 callers, 15 s each
     .venv/bin/python bench/playout_gaps.py --transport sip --levels 1,2
+    .venv/bin/python bench/playout_gaps.py --before-ref main   # before = that commit's code
+
+With ``--before-ref`` the ``before`` gateway runs the code of that git commit (exported to a
+temporary directory), not this code with the start buffer off: the comparison then covers
+everything that changed in between (the limiter's look-ahead too). A commit without the
+gateway's own underrun counters shows ``-`` for them.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ def _free_port(kind: int = socket.SOCK_STREAM) -> int:
 class _Gateway:
     """``gateway serve`` in a subprocess; its log kept for the end of the run."""
 
-    def __init__(self, name: str, start_buffer_ms: str | None, work: Path, rtp: str) -> None:
+    def __init__(self, name: str, start_buffer_ms: str | None, work: Path, rtp: str,
+                 source: Path = ROOT) -> None:
         self.name = name
         self.port = _free_port()
         self.sip_port = _free_port(socket.SOCK_DGRAM)
@@ -61,7 +68,7 @@ class _Gateway:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "serve", "--insecure", "--model", "tiny",
              "--port", str(self.port), "--host", "127.0.0.1"],
-            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=source, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     @property
     def url(self) -> str:
@@ -88,6 +95,8 @@ class _Gateway:
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
+            if family.name == "gateway_playout_underruns":
+                out["counted"] = 1.0  # this gateway counts the gaps itself
             for sample in family.samples:
                 if sample.name == "gateway_tts_underruns_total":
                     out["engine_underruns"] = out.get("engine_underruns", 0.0) + sample.value
@@ -138,6 +147,7 @@ def _run(gateway: _Gateway, transport: str, callers: int, duration_s: float,
     level = run_level(config, callers, index)
     after = gateway.counters()
     delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    delta["counted"] = after.get("counted", 0.0)
     summary = level.summary()
     return Row(callers, gateway.name, summary["calls"], summary["turns"], summary["errors"],
                summary["gaps"], summary["gap_ms"], summary["ttfa_ms"]["p50"],
@@ -163,9 +173,12 @@ def _table(rows: list[Row]) -> None:
     print("-" * len(head))
     for r in rows:
         g = r.gateway
-        engine = f"{g.get('playout_n_engine', 0):.0f}/{1000 * g.get('playout_s_engine', 0):.0f}ms"
-        playout = (f"{g.get('playout_n_playout', 0):.0f}/"
-                   f"{1000 * g.get('playout_s_playout', 0):.0f}ms")
+        engine = playout = "-"
+        if g.get("counted"):
+            engine = (f"{g.get('playout_n_engine', 0):.0f}/"
+                      f"{1000 * g.get('playout_s_engine', 0):.0f}ms")
+            playout = (f"{g.get('playout_n_playout', 0):.0f}/"
+                       f"{1000 * g.get('playout_s_playout', 0):.0f}ms")
         print(f"{r.callers:>7} {r.variant:>7} {r.calls:>5} {r.turns:>5} {r.errors:>3} "
               f"{r.gaps:>10} {r.gap_ms:>10.0f} {engine:>10} {playout:>11} "
               f"{g.get('engine_underruns', 0):>11.0f} {_ms(_hold_ms(g)):>7} {_ms(r.ttfa_p50):>8} "
@@ -178,11 +191,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=40.0, help="seconds per level")
     parser.add_argument("--transport", default="twilio", choices=["twilio", "sip"])
     parser.add_argument("--quick", action="store_true", help="1,2,4 callers, 15 s each")
+    parser.add_argument("--before-ref", default=None,
+                        help="run the before gateway from this git commit's code")
     args = parser.parse_args(argv)
     levels = [1, 2, 4] if args.quick else [int(x) for x in args.levels.split(",")]
     duration = 15.0 if args.quick else args.duration
     work = Path(tempfile.mkdtemp(prefix="bench-playout-"))
-    gateways = {name: _Gateway(name, value, work, rtp)
+    sources = {"before": ROOT, "after": ROOT}
+    if args.before_ref:
+        # ``python -m gateway`` imports the package from its working directory first.
+        sources["before"] = work / "before-src"
+        sources["before"].mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before_ref, "gateway"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(sources["before"])], input=archive, check=True)
+    gateways = {name: _Gateway(name, value, work, rtp, sources[name])
                 for (name, value), rtp in zip(VARIANTS.items(), ["22000-22999", "23000-23999"],
                                               strict=True)}
     rows: list[Row] = []
@@ -191,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         for gateway in gateways.values():
             gateway.ready()
         load = os.getloadavg()
-        print(f"tiny model on CPU ({os.cpu_count()} cores, load {load[0]:.1f}), "
+        what = (f"before = {args.before_ref}" if args.before_ref
+                else "before = this code, start buffer off")
+        print(f"{what}; tiny model on CPU ({os.cpu_count()} cores, load {load[0]:.1f}), "
               f"{args.transport}, live scenario (greeting + one key per call), "
               f"{duration:g} s per level; gateway logs in {work}")
         for index, callers in enumerate(levels):
@@ -212,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         by[r.variant][r.callers] = r
     gaps = {v: sum(r.gaps for r in by[v].values()) for v in by}
     silence = {v: sum(r.gap_ms for r in by[v].values()) for v in by}
-    playout = {v: sum(r.gateway.get("playout_n_playout", 0) for r in by[v].values()) for v in by}
+    playout = {v: (f"{sum(r.gateway.get('playout_n_playout', 0) for r in by[v].values()):.0f}"
+                   if all(r.gateway.get("counted") for r in by[v].values()) else "-")
+               for v in by}
     holds = [r.gateway for r in by["after"].values()]
     held = sum(g.get("hold_sum", 0.0) for g in holds)
     count = sum(g.get("hold_count", 0.0) for g in holds)
@@ -224,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
           f"gaps heard {gaps['after']} with the start buffer vs {gaps['before']} without "
           f"(ratio {ratio}; silence {silence['after']:.0f} vs {silence['before']:.0f} ms; "
           f"the gateway's own count of gaps whose chunk left the engine on time "
-          f"{playout['after']:.0f} vs {playout['before']:.0f}); the start buffer held live "
+          f"{playout['after']} vs {playout['before']}); the start buffer held live "
           f"utterances {hold} on average (part of their first audio)")
     return 0
 

@@ -50,6 +50,7 @@ from gateway.call.admission import Admission
 from gateway.call.events import Codec
 from gateway.call.inbound import InboundCap
 from gateway.call.lifecycle import CallLifecycle, DetectorFactory, DialogFactory
+from gateway.call.playout import start_buffer_setting
 from gateway.call.registry import CallRegistry
 from gateway.call.session import Call, Dialog, SpeechDetector
 from gateway.clock import Clock, SystemClock
@@ -521,9 +522,8 @@ async def _start_sip(gateway: Gateway, sock: socket.socket | None) -> SipEndpoin
                            rtp_ports=settings.rtp_port_range,
                            answer_delay_s=settings.sip_answer_delay_ms / 1000,
                            rtp_timeout_s=settings.sip_rtp_timeout_s,
-                           playout=replace(RTP_PLAYOUT, start_buffer_s=(
-                               settings.sip_start_buffer_ms / 1000
-                               if settings.sip_start_buffer_ms >= 0 else None)))
+                           playout=replace(RTP_PLAYOUT, start_buffer_s=start_buffer_setting(
+                               settings.sip_start_buffer_ms)))
     await endpoint.start(host, port, sock=sock)
     return endpoint
 

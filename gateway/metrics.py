@@ -178,7 +178,8 @@ class Metrics:
             "(Twilio had played everything sent before the utterance's next frame went; an RTP "
             "beat went out as silence while the utterance waited for audio). cause=engine: the "
             "chunk that ended the gap came late from the engine too (also counted in "
-            "gateway_tts_underruns_total); cause=playout: it left the engine with lead to spare.",
+            "gateway_tts_underruns_total); cause=playout: it left the engine with lead to spare "
+            "and lost it after (the phone path, a stalled event loop, the transport).",
             ["transport", "cause"], registry=r,
         )
         self.playout_start_hold = Histogram(

@@ -26,8 +26,11 @@ import pytest
 from clocks import VirtualClock
 
 from gateway.audio.condition import Conditioning
+from gateway.audio.g711 import ulaw_encode
 from gateway.call import Call, CallOutcome, Playout, PlayoutPolicy
+from gateway.call.playout import start_buffer_setting
 from gateway.call.session import Utterance
+from gateway.config import Settings
 from gateway.loadsim.twilio_caller import Heard
 from gateway.metrics import Metrics
 from gateway.sip.endpoint import RTP_PLAYOUT
@@ -109,7 +112,7 @@ async def _settle() -> None:
 # --- the start buffer -------------------------------------------------------------------------
 
 
-async def test_a_live_utterance_starts_once_its_source_origin_plus_the_start_buffer_is_due(rig) -> None:  # type: ignore[no-untyped-def]
+async def test_a_live_utterance_starts_at_its_source_origin_plus_the_start_buffer(rig) -> None:  # type: ignore[no-untyped-def]
     clock, _ = rig
     playout, sink, _ = _playout(rig, TWILIO)
     t0 = clock.now()
@@ -218,7 +221,7 @@ async def test_rtp_holds_on_silent_beats_then_plays_on_the_beat(rig) -> None:  #
 
 async def test_rtp_counts_silent_beats_mid_utterance_as_one_underrun(rig) -> None:  # type: ignore[no-untyped-def]
     clock, _ = rig
-    playout, sink, underruns = _playout(rig, RTP_PLAYOUT)
+    playout, _sink, underruns = _playout(rig, RTP_PLAYOUT)
     await clock.advance(0)
     owner = _Owner()
     playout.begin(owner, live=True)
@@ -230,6 +233,39 @@ async def test_rtp_counts_silent_beats_mid_utterance_as_one_underrun(rig) -> Non
     assert [s for who, s in underruns] == [pytest.approx(0.06)]
     assert underruns[0][0] is owner
     assert playout.underruns == 1 and playout.underrun_s == pytest.approx(0.06)
+
+
+def _phone_heard(sink: _Sink, start: float, end: float) -> tuple[int, float]:
+    """What the load simulator's SIP phone (fixed 40 ms jitter buffer) hears of the beats sent
+    in [start, end): (gaps, ms)."""
+    from gateway.loadsim.sip_caller import RtpReceiveLog
+    from gateway.sip.rtp import RtpPacket
+
+    log = RtpReceiveLog()
+    for n, (t, frames) in enumerate(sink.sent):
+        log.record(RtpPacket(0, n % 65536, 160 * n, 5, frames[0]).serialize(), ("h", 1), t)
+    stats = log.playout(start, end)
+    return stats.gaps, stats.gap_ms
+
+
+async def test_rtp_counts_a_late_beat_as_the_phone_hears_it(rig) -> None:  # type: ignore[no-untyped-def]
+    """A stalled event loop sends a beat 50 ms late: a phone with a 40 ms jitter buffer hears
+    10 ms of silence; the playout counts the same gap the load simulator's phone hears."""
+    loud = ulaw_encode((8000 * np.sin(np.arange(160 * 30) / 3)).astype(np.int16))
+    audio = [loud[i * 160:(i + 1) * 160] for i in range(30)]
+    clock, _ = rig
+    playout, sink, underruns = _playout(rig, RTP_PLAYOUT)
+    await clock.advance(0)
+    start = clock.now()
+    playout.begin(_Owner())
+    await playout.push(audio)
+    playout.mark("u")
+    await clock.advance(0.2)
+    clock._now += 0.07  # the event loop stalls just after a beat: the next is 50 ms late
+    await clock.advance(0)
+    await clock.advance(1.0)
+    assert [1000 * s for _, s in underruns] == [pytest.approx(10, abs=0.01)]
+    assert _phone_heard(sink, start, clock.now()) == (1, pytest.approx(10, abs=0.01))
 
 
 async def test_twilio_between_utterances_is_not_an_underrun(rig) -> None:  # type: ignore[no-untyped-def]
@@ -264,6 +300,10 @@ def test_the_policies_declare_their_start_buffers() -> None:
     assert TwilioConfig().playout().start_buffer_s == 0.02
     assert RTP_PLAYOUT.start_buffer_s == 0.02
     assert TwilioConfig(start_buffer_s=None).playout().start_buffer_s is None
+    settings = Settings(twilio_start_buffer_ms=35, sip_start_buffer_ms=-1)
+    assert TwilioConfig.from_settings(settings).playout().start_buffer_s == 0.035
+    assert start_buffer_setting(settings.sip_start_buffer_ms) is None
+    assert start_buffer_setting(Settings().sip_start_buffer_ms) == RTP_PLAYOUT.start_buffer_s
     with pytest.raises(ValueError):
         replace(RTP_PLAYOUT, start_buffer_s=-0.01)
     policy = replace(TWILIO, start_buffer_s=0.02, max_start_hold_s=0.25)
@@ -392,7 +432,7 @@ def _counted(metrics: Metrics, transport: str, cause: str) -> float:
 
 
 @pytest.mark.parametrize("lead_s", [0.005, 0.03])
-async def test_twilio_chunks_with_lead_to_spare_never_run_the_callers_buffer_dry(lead_s: float) -> None:
+async def test_twilio_chunks_with_lead_to_spare_never_run_the_caller_dry(lead_s: float) -> None:
     sink, utterances, metrics, engines = await _say(TWILIO, {"first_s": 0.05, "lead_s": lead_s})
     assert [e.gaps for e in engines] == [0, 0, 0]  # the engine kept up
     assert _twilio_gaps(sink, utterances) == [(0, 0.0)] * 3
@@ -423,14 +463,29 @@ async def test_without_the_start_hold_every_utterance_starts_with_a_stutter(lead
     assert _counted(metrics, "twilio", "engine") == 0
 
 
+def _phone_gaps(sink: _Sink, utterances: list[Utterance]) -> list[tuple[int, float]]:
+    """Per utterance, what the load simulator's SIP phone hears."""
+    out = []
+    for u, nxt in zip(utterances, [*utterances[1:], None], strict=True):
+        assert u.first_frame_at is not None
+        end = nxt.first_frame_at if nxt is not None and nxt.first_frame_at else 1e9
+        out.append(_phone_heard(sink, u.first_frame_at - 1e-6, end - 1e-6))
+    return out
+
+
 async def test_rtp_chunks_with_lead_to_spare_never_run_dry() -> None:
     sink, utterances, _, _ = await _say(RTP_PLAYOUT, {"first_s": 0.05, "lead_s": 0.005})
     assert _rtp_dropouts(sink) == []
+    assert _phone_gaps(sink, utterances) == [(0, 0.0)] * 3
     assert sum(u.underruns for u in utterances) == 0
-    before, _, metrics, _ = await _say(replace(RTP_PLAYOUT, start_buffer_s=None),
-                                       {"first_s": 0.05, "lead_s": 0.005})
-    assert len(_rtp_dropouts(before)) >= 2  # the stutter (a beat's phase can hide one)
-    assert _counted(metrics, "sip", "playout") == len(_rtp_dropouts(before))
+    before, said, metrics, _ = await _say(replace(RTP_PLAYOUT, start_buffer_s=None),
+                                          {"first_s": 0.05, "lead_s": 0.005})
+    heard = _phone_gaps(before, said)
+    assert sum(gaps for gaps, _ in heard) >= 2  # the stutter (a beat's phase can hide one)
+    assert len(_rtp_dropouts(before)) == sum(gaps for gaps, _ in heard)
+    # The gateway's own count is what the phone heard, utterance by utterance.
+    assert [(u.underruns, pytest.approx(1000 * u.underrun_s, abs=0.01)) for u in said] == heard
+    assert _counted(metrics, "sip", "playout") == sum(gaps for gaps, _ in heard)
 
 
 async def test_trimmed_leading_silence_is_held_too() -> None:

@@ -43,9 +43,13 @@ whole), never lasts more than ``max_start_hold_s``, and never applies mid-uttera
 utterance's first frame is out, its frames go as they come.
 
 Underruns (:attr:`Playout.underruns`): a gap the caller hears in the middle of an utterance, as
-the playout sees it: the far end had played everything sent before the next frame of the same
-utterance went (Twilio), or a beat went out as silence while the utterance waited for audio
-(RTP). Reported to ``on_underrun`` with the utterance and the silence's length.
+the playout sees it. Twilio: the far end had played everything sent before the next frame of
+the same utterance went. RTP: the far end is a phone with a fixed jitter buffer
+(:attr:`PlayoutPolicy.far_end_buffer_s`, the load simulator's model of it): it starts playing an
+utterance that long after its first frame went and needs each beat by then; a beat sent later
+(a stalled event loop) or sent as silence while the utterance waited for audio is a gap, the
+phone's schedule slipping by it. Reported to ``on_underrun`` with the utterance and the silence's
+length.
 
 Hold (:attr:`Playout.paused`): nothing is released, so nothing is reported as played; what is
 buffered stays, and the caller hears it from where it stopped once the call is resumed.
@@ -74,7 +78,7 @@ from gateway.clock import Clock
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FrameSink", "Playout", "PlayoutPolicy", "Speaker"]
+__all__ = ["FrameSink", "Playout", "PlayoutPolicy", "Speaker", "start_buffer_setting"]
 
 FRAME_S = 0.02
 #: Slack when comparing a clock reading with a deadline computed from it (float rounding).
@@ -114,6 +118,9 @@ class PlayoutPolicy:
     #: The longest a first frame is held, counted from when it was queued (a source whose
     #: origin lies far back, hundreds of ms of trimmed silence, costs at most this).
     max_start_hold_s: float = 0.25
+    #: With keep-alive (RTP): the far end's jitter buffer as underruns are counted (a phone's
+    #: fixed buffer; adaptive ones hold 40-100 ms). Counting only: nothing waits for it.
+    far_end_buffer_s: float = 0.04
 
     def __post_init__(self) -> None:
         if self.fade_on_interrupt and self.lead_s > 0:
@@ -140,6 +147,12 @@ class PlayoutPolicy:
         origin = queued_at if not_before is None else not_before
         at = origin + self.start_buffer_s - unplayed_s
         return min(at, queued_at + self.max_start_hold_s)
+
+
+def start_buffer_setting(ms: int) -> float | None:
+    """A ``GATEWAY_*_START_BUFFER_MS`` setting as :attr:`PlayoutPolicy.start_buffer_s`: seconds,
+    or None (no hold) for a negative value."""
+    return ms / 1000 if ms >= 0 else None
 
 
 class FrameSink(Protocol):
@@ -230,6 +243,11 @@ class Playout:
         # and since when it has had nothing at the far end (an underrun in progress).
         self._playing: Speaker | None = None
         self._dry_since: float | None = None
+        # RTP: the far end's playback of the utterance going out (its jitter buffer's schedule:
+        # beat k is needed at origin + k frames), and the silence sent since its last audio.
+        self._far_origin = 0.0
+        self._far_beats = 0
+        self._dry_s = 0.0
         self._origin = 0.0
         self._released = 0
         self._anchored = False
@@ -462,10 +480,8 @@ class Playout:
                     continue
                 frames = [self._silence]
                 speaker = None  # keep-alive silence is nobody's audio
-                if self._playing is not None and self._dry_since is None:
-                    # The utterance is waiting for its next frame: the caller hears this beat's
-                    # silence (its start is when the previous frame finished, i.e. now).
-                    self._dry_since = now
+            if policy.keepalive:
+                self._beat(speaker, now)
             elif speaker is not None:
                 self._started(speaker, now)
             await self._sink.send_frames(frames)
@@ -491,15 +507,42 @@ class Playout:
         return at
 
     def _started(self, speaker: Speaker, now: float) -> None:
-        """Frames of ``speaker`` go out now: its first ones, or ones ending an underrun."""
+        """Twilio: frames of ``speaker`` go out now: its first ones, or ones ending an
+        underrun (the far end ran dry at ``_dry_since``)."""
         self._starting = None
         if self._playing is not speaker:
             self._playing, self._dry_since = speaker, None
             return
         dry_since, self._dry_since = self._dry_since, None
-        if dry_since is None:
+        if dry_since is not None:
+            self._underrun(speaker, now - dry_since)
+
+    def _beat(self, speaker: Speaker | None, now: float) -> None:
+        """RTP: a beat goes out now, ``speaker``'s frame or silence (None); a phone with a fixed
+        jitter buffer would hear a gap where it comes late or silent mid-utterance."""
+        if speaker is not None and self._playing is not speaker:
+            # The utterance's first frame: the phone plays it a jitter buffer from now.
+            self._starting = None
+            self._playing = speaker
+            self._far_origin = now + self.policy.far_end_buffer_s
+            self._far_beats, self._dry_s = 1, 0.0
             return
-        silence = now - dry_since
+        playing = self._playing
+        if playing is None:
+            return
+        stall = now - (self._far_origin + self._far_beats * FRAME_S)
+        self._far_beats += 1
+        if stall > _EPS:
+            self._far_origin += stall  # the phone played nothing meanwhile: its clock slips
+        else:
+            stall = 0.0
+        if speaker is None:
+            self._dry_s += stall + FRAME_S
+            return
+        silence, self._dry_s = self._dry_s + stall, 0.0
+        self._underrun(playing, silence)
+
+    def _underrun(self, speaker: Speaker, silence: float) -> None:
         if silence > UNDERRUN_TOLERANCE_S:
             self.underruns += 1
             self.underrun_s += silence
@@ -509,6 +552,7 @@ class Playout:
     def _end_playing(self) -> None:
         self._playing = None
         self._dry_since = None
+        self._dry_s = 0.0
 
     def _anchor(self, now: float) -> None:
         policy = self.policy

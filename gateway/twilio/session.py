@@ -30,7 +30,7 @@ from gateway.call.events import CallOutcome, Codec
 from gateway.call.inactivity import InactivityWatch
 from gateway.call.inbound import InboundRate
 from gateway.call.lifecycle import CallLifecycle
-from gateway.call.playout import PlayoutPolicy
+from gateway.call.playout import PlayoutPolicy, start_buffer_setting
 from gateway.call.session import Call
 from gateway.clock import Cancellable, Clock, SystemClock
 from gateway.config import Settings
@@ -114,8 +114,7 @@ class TwilioConfig:
             idle_timeout_s=settings.twilio_idle_timeout_s,
             max_lead_s=settings.twilio_max_lead_ms / 1000,
             frames_per_message=settings.frames_per_message,
-            start_buffer_s=(settings.twilio_start_buffer_ms / 1000
-                            if settings.twilio_start_buffer_ms >= 0 else None),
+            start_buffer_s=start_buffer_setting(settings.twilio_start_buffer_ms),
             reservation_s=settings.twilio_reservation_s,
             busy_message=settings.busy_message,
             after_stream_hops=AFTER_STREAM_HOPS if settings.twilio_account_sid else 0,
