@@ -48,8 +48,9 @@ the same utterance went. RTP: the far end is a phone with a fixed jitter buffer
 (:attr:`PlayoutPolicy.far_end_buffer_s`, the load simulator's model of it): it starts playing an
 utterance that long after its first frame went and needs each beat by then; a beat sent later
 (a stalled event loop) or sent as silence while the utterance waited for audio is a gap, the
-phone's schedule slipping by it. Reported to ``on_underrun`` with the utterance and the silence's
-length.
+phone's schedule slipping by it. Reported to ``on_underrun`` with the utterance, the silence's
+length and whether the utterance was starved (nothing of it queued here: it waited for its
+source) rather than sent late (its audio was here, the event loop was not).
 
 Hold (:attr:`Playout.paused`): nothing is released, so nothing is reported as played; what is
 buffered stays, and the caller hears it from where it stopped once the call is resumed.
@@ -221,7 +222,7 @@ class Playout:
         silence: bytes,
         on_played: Callable[[str], None],
         on_failure: Callable[[BaseException], None] | None = None,
-        on_underrun: Callable[[Speaker, float], None] | None = None,
+        on_underrun: Callable[[Speaker, float, bool], None] | None = None,
     ) -> None:
         self._sink = sink
         self._clock = clock
@@ -515,7 +516,7 @@ class Playout:
             return
         dry_since, self._dry_since = self._dry_since, None
         if dry_since is not None:
-            self._underrun(speaker, now - dry_since)
+            self._underrun(speaker, now - dry_since, starved=True)
 
     def _beat(self, speaker: Speaker | None, now: float) -> None:
         """RTP: a beat goes out now, ``speaker``'s frame or silence (None); a phone with a fixed
@@ -539,15 +540,15 @@ class Playout:
         if speaker is None:
             self._dry_s += stall + FRAME_S
             return
-        silence, self._dry_s = self._dry_s + stall, 0.0
-        self._underrun(playing, silence)
+        dry, self._dry_s = self._dry_s, 0.0
+        self._underrun(playing, dry + stall, starved=dry > 0)
 
-    def _underrun(self, speaker: Speaker, silence: float) -> None:
+    def _underrun(self, speaker: Speaker, silence: float, *, starved: bool) -> None:
         if silence > UNDERRUN_TOLERANCE_S:
             self.underruns += 1
             self.underrun_s += silence
             if self._on_underrun is not None:
-                self._on_underrun(speaker, silence)
+                self._on_underrun(speaker, silence, starved)
 
     def _end_playing(self) -> None:
         self._playing = None

@@ -566,16 +566,20 @@ class Call:
     def _inactive(self) -> None:
         self.transport.abort("inbound timeout")
 
-    def _underrun(self, speaker: Speaker, silence_s: float) -> None:
-        """The caller heard ``silence_s`` of silence in the middle of an utterance."""
+    def _underrun(self, speaker: Speaker, silence_s: float, starved: bool) -> None:
+        """The caller heard ``silence_s`` of silence in the middle of an utterance (``starved``:
+        while it waited for audio, not while its audio waited to be sent)."""
         if not isinstance(speaker, Utterance):
             return
         speaker.underruns += 1
         speaker.underrun_s += silence_s
-        # The engine's own count says whose the gap is: a chunk that came late from the engine
-        # (also in gateway_tts_underruns_total) or one that was on time and lost its lead on
-        # the way (the phone path, the event loop, the transport).
-        cause = "engine" if speaker.late_chunk else "playout"
+        # The engine's own count says whose the gap is: the chunk that ended it came late from
+        # the engine (also in gateway_tts_underruns_total), or it was on time and lost its lead
+        # on the way (the phone path, the event loop, the transport). One late chunk explains
+        # one gap: a beat a stalled loop sends late after it is not the engine's.
+        cause = "engine" if starved and speaker.late_chunk else "playout"
+        if cause == "engine":
+            speaker.late_chunk = False
         if self._metrics is not None:
             self._metrics.playout_underruns.labels(self._transport_name, cause).inc()
             self._metrics.playout_underrun_seconds.labels(self._transport_name, cause
