@@ -122,6 +122,12 @@ class LevelNormalizer:
     == whole) and a block is emitted as soon as its look-ahead has arrived (a TTS chunk is 80 ms
     or more: only its last ``lookahead_blocks`` wait for the next chunk or :meth:`flush`).
 
+    One block of look-ahead is all the limiter needs (below), and every block held back is
+    audio a live caller gets one chunk later: with two, 40 ms of an 80 ms first chunk reached
+    the phone (the resampler's delay and the framer's partial frame take the rest), with one,
+    60 ms; the call's start buffer (:mod:`gateway.call.playout`) holds a live utterance's start
+    by exactly what is held back, so each block costs every live turn 10-20 ms of first audio.
+
     The gain of block ``k`` is the smaller of
 
     - the level gain: ``target / level`` clamped to ``[min_gain_db, max_gain_db]``, where
@@ -133,7 +139,9 @@ class LevelNormalizer:
 
     Within a block the gain ramps linearly from the previous block's end value, so gain changes
     never step. No output sample exceeds ``ceiling_dbfs``: each block's ramp stays at or below
-    the limiter gain of that block, which the previous block's look-ahead already respected.
+    the limiter gain of that block, which the previous block's look-ahead already respected
+    (its end gain was computed over it and the next block, so one block of look-ahead keeps
+    the guarantee; the gain then falls over the 10 ms before a peak).
     """
 
     def __init__(
@@ -145,7 +153,7 @@ class LevelNormalizer:
         min_gain_db: float = -18.0,
         gate_dbfs: float = -45.0,
         block_s: float = 0.01,
-        lookahead_blocks: int = 2,
+        lookahead_blocks: int = 1,
         agc_db_per_s: float = 20.0,
         release_db_per_s: float = 30.0,
     ) -> None:
