@@ -12,6 +12,9 @@ on a virtual clock (no model, no sockets, no real waiting).
   whose every chunk arrives with a little lead to spare: the caller's buffer, modelled as the
   load simulator models it, never runs dry; without the start hold it does, at every utterance
   start (the stutter), and the gateway's own underrun count says so too.
+- The hold adapts: when the engine core says its next chunk comes well before the first one
+  has played, the first frame goes at once (the start buffer covers an engine at real time,
+  not one with lead to spare); an estimate of no lead keeps the whole hold.
 """
 
 from __future__ import annotations
@@ -330,7 +333,7 @@ class _Engine:
 
     def __init__(self, clock: VirtualClock, sizes: list[int], *, first_s: float,
                  lead_s: float | dict[int, float], leading_silence_s: float = 0.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, eta_s: float | None = None) -> None:
         rng = np.random.default_rng(seed)
         self.clock = clock
         self.chunks = [(0.1 * rng.standard_normal(n * _CODEC_FRAME)).astype(np.float32)
@@ -344,6 +347,10 @@ class _Engine:
         self._audio = 0.0
         self._index = 0
         self._started = clock.now()
+        #: What the engine core says of its next chunk (``SpeechStream.next_chunk_eta_s``):
+        #: None, like a stream from an engine that makes no estimate, until the first chunk.
+        self.next_chunk_eta_s: float | None = None
+        self._eta_s = eta_s
 
     def __aiter__(self) -> _Engine:
         return self
@@ -366,6 +373,7 @@ class _Engine:
             self._origin = now - self._audio
         self._audio += len(self.chunks[i]) / _RATE
         self._index += 1
+        self.next_chunk_eta_s = self._eta_s
         return self.chunks[i]
 
     def cancel(self) -> None:
@@ -519,3 +527,32 @@ async def test_a_late_chunk_from_the_engine_is_the_engines_gap(transport: str) -
     assert 1000 * utterances[0].underrun_s == pytest.approx(gap_ms, abs=0.01)
     assert _counted(metrics, transport, "engine") == 1
     assert _counted(metrics, transport, "playout") == 0
+
+
+async def test_an_engine_with_lead_to_spare_is_not_held() -> None:
+    """The core says the next chunk comes 10 ms after the first (a device far faster than real
+    time) and it does: the first frame goes as soon as the phone path has it, nothing held, and
+    the caller still hears no gap; an estimate of the whole first chunk keeps the full hold."""
+    eta = 0.01
+    for policy in (TWILIO, RTP_PLAYOUT):
+        sink, utterances, metrics, engines = await _say(
+            policy, {"first_s": 0.05, "lead_s": 0.08 - eta, "eta_s": eta})
+        assert [e.gaps for e in engines] == [0, 0, 0]
+        heard = (_twilio_gaps(sink, utterances) if policy is TWILIO
+                 else _phone_gaps(sink, utterances))
+        assert heard == [(0, 0.0)] * 3
+        assert sum(u.underruns for u in utterances) == 0
+        transport = "twilio" if policy is TWILIO else "sip"
+        held = metrics.registry.get_sample_value("gateway_playout_start_hold_seconds_sum",
+                                                 {"transport": transport})
+        if policy is TWILIO:
+            for u in utterances:  # the first frame goes when the first chunk comes
+                assert u.first_audio_s == pytest.approx(0.05, abs=0.006)
+            assert held == pytest.approx(0.0, abs=0.006)
+        else:  # RTP: at most the wait for the next beat
+            assert held <= 3 * 0.02 + 1e-6
+    # An estimate that leaves no lead: the full hold, as with no estimate at all.
+    _, utterances, metrics, _ = await _say(TWILIO, {"first_s": 0.05, "lead_s": 0.005,
+                                                    "eta_s": 0.075})
+    for u in utterances:
+        assert u.first_audio_s == pytest.approx(0.05 + 0.04, abs=0.006)

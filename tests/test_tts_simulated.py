@@ -108,6 +108,11 @@ async def test_the_engine_core_serves_turns_on_it() -> None:
 
         outs = await asyncio.gather(*(drain(s) for s in streams))
         assert [sum(len(c) for c in out) for out in outs] == [6 * SAMPLES_PER_FRAME] * 6
+        # Each stream was told when its next chunk would come: the profile's step times its
+        # frames plus a decode, far less than the 80 ms a frame plays on this fast device.
+        etas = [s.next_chunk_eta_s for s in streams]
+        assert all(eta is not None for eta in etas[1:])
+        assert all(0 < eta < 0.08 for eta in etas if eta is not None)
         assert service.stats.completed == 6 and max(service.stats.step_rows) >= 2
         assert engine.device_s > 0
     finally:

@@ -739,6 +739,8 @@ class Call:
         # first chunk. What the phone path has taken in (seconds of 24 kHz) and handed on
         # (frames) says how far behind that listener the caller would be.
         origin: float | None = None
+        first_chunk_s = 0.0
+        spare = 0.0
         taken = 0
         framed = 0
         engine_gaps = 0
@@ -750,6 +752,7 @@ class Call:
             async for chunk in stream:
                 if origin is None:
                     origin = clock.now()
+                    first_chunk_s = len(chunk) / INPUT_RATE
                 if counts is not None:
                     utterance.late_chunk = counts.gaps > engine_gaps
                     engine_gaps = counts.gaps
@@ -759,9 +762,18 @@ class Call:
                     pushed = True
                     if not framed:
                         utterance.first_queued_at = clock.now()
+                    if framed == 0:
+                        # A device that makes the next chunk in less than the first one plays
+                        # needs none of the start buffer that covers an engine at real time:
+                        # the lead it will have to spare when that chunk comes is taken off the
+                        # hold (on every push: a later chunk re-states the origin while the
+                        # first frame still waits for an RTP beat).
+                        eta = getattr(stream, "next_chunk_eta_s", None)
+                        if eta is not None:
+                            spare = max(0.0, first_chunk_s - eta)
                     framed += len(frames)
                     behind = taken / INPUT_RATE - framed * FRAME_S
-                    await playout.push(frames, not_before=origin + max(0.0, behind))
+                    await playout.push(frames, not_before=origin + max(0.0, behind) - spare)
             if utterance.interrupted or self.ended:
                 return
             tail = pipeline.flush()
