@@ -155,14 +155,15 @@ def resolve_model(spec: str, *, download: bool = False) -> Path:
         if bundled is not None:
             return bundled
     try:
-        from faster_whisper.utils import download_model
+        from faster_whisper.utils import available_models, download_model
     except ImportError as exc:
         raise RecognizerUnavailable("faster-whisper is not installed; pip install "
                                     "faster-whisper") from exc
+    if "/" not in spec and spec not in available_models():
+        raise RecognizerUnavailable(f"whisper model {spec!r} is not a directory here, a size "
+                                    f"({', '.join(available_models())}) or a hub id (org/name)")
     try:
         return Path(download_model(spec, local_files_only=not download))
-    except ValueError as exc:  # not a known size nor an org/name id
-        raise RecognizerUnavailable(f"whisper model {spec!r}: {exc}") from exc
     except Exception as exc:
         how = ("could not be downloaded" if download else
                "is not in the local Hugging Face cache, and downloads are off "
@@ -224,7 +225,8 @@ def decide(ev: Evidence, grammar: SpeechGrammar,
     ``confidence`` is a logistic of the smallest margin over its threshold, so 0.5 is exactly
     the acceptance line (for digit strings, that of taking them as certain)."""
     th = thresholds
-    common: dict[str, Any] = dict(transcript=ev.transcript, words=ev.words,
+    transcript, words = _without_loop(ev.transcript, ev.words)
+    common: dict[str, Any] = dict(transcript=transcript, words=words,
                                   speech_start_s=ev.speech_start_s, speech_end_s=ev.speech_end_s)
     if not ev.transcript or ev.no_speech_prob > th.max_no_speech:
         return RecognitionResult(MatchStatus.NO_SPEECH, reason=(
@@ -243,6 +245,20 @@ def decide(ev: Evidence, grammar: SpeechGrammar,
     if phrase is not None:
         return replace(phrase, **common)
     return RecognitionResult(MatchStatus.NO_MATCH, reason=f"heard {ev.transcript!r}", **common)
+
+
+def _without_loop(text: str, words: tuple[Word, ...]) -> tuple[str, tuple[Word, ...]]:
+    """The transcript without a decoding loop: on a short window Whisper's greedy decoding
+    sometimes writes what it heard over and over ("agent agent agent ..."); a transcript that
+    is one unit repeated three times or more is reported as the unit once. (The decision uses
+    the evidence as it was calibrated.)"""
+    parts = text.split()
+    for k in range(1, len(parts) // 3 + 1):
+        unit = [p.strip(".,!?").lower() for p in parts[:k]]
+        if all(p.strip(".,!?").lower() == unit[i % k] for i, p in enumerate(parts)):
+            kept = " ".join(parts[:k]).rstrip(".")
+            return kept, words[:k] if len(words) >= k else words
+    return text, words
 
 
 def _best_phrase(ev: Evidence, th: Thresholds) -> RecognitionResult | None:
@@ -284,7 +300,8 @@ def _digits(ev: Evidence, grammar: SpeechGrammar, th: Thresholds) -> Recognition
         return RecognitionResult(MatchStatus.MATCH, digits=digits, confidence=confidence,
                                  confirm=True)
     if count < th.confirm_count:
-        heard = f"{len(said)} digits" if said else "another number of digits"
+        heard = (f"{len(said)} digits" if said and len(said) != grammar.digits
+                 else "another number of digits")
         reason = f"heard {ev.transcript!r}: {heard}, not {grammar.digits}"
     else:
         reason = f"{digits!r} heard with confidence {confidence:.2f}: asking again"
@@ -460,8 +477,10 @@ class WhisperRecognizer:
         if not texts:
             return []
         batch = np.repeat(np.asarray(encoded), len(texts), axis=0)
+        # num_frames is in mel frames (10 ms), as faster-whisper's word timestamps pass it; it
+        # bounds the alignment's time axis only, not the probabilities.
         return list(self._model.model.align(self._ct2.StorageView.from_array(batch), start,
-                                            list(texts), max(1, frames // 2)))
+                                            list(texts), max(1, frames)))
 
     def evidence(self, pcm: npt.NDArray[np.int16], grammar: SpeechGrammar) -> Evidence:
         """Everything the thresholds decide on (see the module docstring)."""
@@ -558,7 +577,7 @@ class WhisperRecognizer:
                 out.append(Word(word.strip(), round(float(times[lo]), 2),
                                 round(float(times[hi]), 2),
                                 round(float(np.mean(probs[lo:hi])) if hi > lo else 0.0, 3)))
-            return tuple(w for w in out if w.text)
+            return tuple(w for w in out if any(c.isalnum() for c in w.text))
         except (IndexError, ValueError):
             return ()
 
