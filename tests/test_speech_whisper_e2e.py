@@ -21,8 +21,14 @@ from typing import Any
 
 import pytest
 from clocks import until
-from conftest import DEMO_SCRIPT, LoopBackend, VirtualServer, _built_once, serve_virtual, \
-    virtual_loop
+from conftest import (
+    DEMO_SCRIPT,
+    LoopBackend,
+    VirtualServer,
+    _built_once,
+    serve_virtual,
+    virtual_loop,
+)
 from test_speech_e2e import SipCaller, TwilioCaller, _recognizer, _trace
 
 from gateway.asr.whisper import model_available
