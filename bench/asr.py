@@ -332,14 +332,15 @@ def _report(console: Console, args: argparse.Namespace, name: str, items: list[U
                 console.print(f"  {name} {u.split} {u.kind:10s} {u.who:28s} "
                               f"{u.condition.name:12s} {u.text!r:42s} -> {r.status.value} "
                               f"{r.branch or r.digits} ({r.confidence:.2f}) heard "
-                              f"{r.transcript!r}{effects}", markup=False, highlight=False)
+                              f"{r.transcript!r}{effects}", markup=False, highlight=False,
+                              soft_wrap=True)
 
     if name == "pocketsphinx":
         ceiling = _ceiling(items, shipped, results[name, "grammar only"])
         console.print("ceiling, test half (target conditions): an utterance either pass heard "
                       "right, as an oracle choosing between the passes with no false accepts "
                       "would score: " + ", ".join(f"{k} {_fmt(v)}" for k, v in ceiling.items()),
-                      markup=False, highlight=False)
+                      markup=False, highlight=False, soft_wrap=True)
 
     cpu = sum(r.cpu_s for r in shipped)
     per_audio = cpu / audio_s
@@ -372,13 +373,13 @@ def _report(console: Console, args: argparse.Namespace, name: str, items: list[U
         f"taken unconfirmed {_pct(test, 'wrong'):.1f}% (target <= 1%), near-miss accepts "
         f"{_pct(test, 'near FA'):.1f}%, digits-gather false accepts "
         f"{_pct(test, 'digits FA'):.1f}%: {'targets met' if met else 'TARGETS NOT MET'}",
-        markup=False, highlight=False)
+        markup=False, highlight=False, soft_wrap=True)
     base = ""
     if name == "pocketsphinx":
         base = f"; rejection costs {cpu / cpu_base:.2f}x the grammar pass alone"
     console.print(
         f"RESULT asr cost {name}: {per_audio:.3f} CPU s per audio s = {1 / per_audio:.1f} "
-        f"speaking callers per core{base}", markup=False, highlight=False)
+        f"speaking callers per core{base}", markup=False, highlight=False, soft_wrap=True)
     return test
 
 
@@ -405,7 +406,7 @@ def _combined(console: Console, items: list[Utterance],
         f"{_pct(rates, 'in-menu'):.1f}%, false accepts {100 * fa_hits / max(1, fa_total):.1f}%, "
         f"6-digit exact {_pct(rates, 'digits'):.1f}%, wrong 6-digit strings "
         f"{_pct(rates, 'wrong'):.1f}%; {100 * both / max(1, len(pairs)):.0f}% of turns pay for "
-        "both recognisers", markup=False, highlight=False)
+        "both recognisers", markup=False, highlight=False, soft_wrap=True)
 
 
 def _gateway_path(console: Console, turns: int, asr: str) -> None:
@@ -437,7 +438,7 @@ def _gateway_path(console: Console, turns: int, asr: str) -> None:
                   f"{out.load[0]:.1f} / {out.load[1]:.1f} / {out.load[2]:.1f}")
     for line in out.heard:
         if not line.split(": ", 1)[1].startswith("match menu"):
-            console.print(f"  not 'repeat': {line}", markup=False, highlight=False)
+            console.print(f"  not 'repeat': {line}", markup=False, highlight=False, soft_wrap=True)
     p95, base = p(out.speech_ms, 95), p(out.key_ms, 95)
     target = LATENCY_TARGET_MS[asr]
     met = p95 <= target
@@ -447,7 +448,7 @@ def _gateway_path(console: Console, turns: int, asr: str) -> None:
         f"{'met' if met else 'NOT MET'}), p50 {p(out.speech_ms, 50):.0f} ms; "
         f"{p95 / base:.1f}x the key turn's p95 {base:.0f} ms in the same gateway; "
         f"{len(out.speech_ms)} recognised of {len(out.speech_ms) + out.missed} speech turns",
-        markup=False, highlight=False)
+        markup=False, highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":
