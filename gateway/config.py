@@ -148,11 +148,12 @@ class Settings(BaseSettings):
         description="Speech must last this long to barge in (line noise and 'mm-hm' do not).",
     )
     vad_threshold: float = Field(0.5, gt=0, lt=1, description="Speech probability threshold.")
-    asr: Literal["auto", "whisper", "pocketsphinx", "off"] = Field(
+    asr: Literal["auto", "whisper", "combined", "pocketsphinx", "off"] = Field(
         "auto",
         description="Speech recogniser for speech gathers: whisper (faster-whisper, the model "
-        "GATEWAY_ASR_MODEL names), pocketsphinx (built in, English, needs nothing), auto "
-        "(whisper when its model is on this machine, else pocketsphinx) or off (keys only).",
+        "GATEWAY_ASR_MODEL names), pocketsphinx (built in, English, needs nothing), combined "
+        "(pocketsphinx, then whisper when it did not match; digits to whisper), auto (combined "
+        "when Whisper's model is on this machine, else pocketsphinx) or off (keys only).",
     )
     asr_model: str = Field(
         "tiny.en",

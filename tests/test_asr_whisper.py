@@ -237,22 +237,26 @@ def _factory_for(caplog: pytest.LogCaptureFixture, **values: object) -> object:
         return recognizer_factory(Settings(**values))  # type: ignore[arg-type]
 
 
-def test_auto_runs_whisper_where_its_model_is_and_pocketsphinx_where_it_is_not(
+def test_auto_runs_both_where_whisper_s_model_is_and_pocketsphinx_where_it_is_not(
     caplog: pytest.LogCaptureFixture, tmp_path: Path,
 ) -> None:
     import functools
 
     from gateway.asr.sphinx import PocketSphinxRecognizer
 
+    from gateway.asr.combined import CombinedRecognizer
+
     auto = _factory_for(caplog)
-    assert isinstance(auto, functools.partial) and auto.func is WhisperRecognizer
+    assert isinstance(auto, functools.partial) and auto.func is CombinedRecognizer
     assert auto.args == ("tiny.en",) and auto.keywords["device"] == "cpu"
+    alone = _factory_for(caplog, asr="whisper")
+    assert isinstance(alone, functools.partial) and alone.func is WhisperRecognizer
     assert _factory_for(caplog, asr="pocketsphinx") is PocketSphinxRecognizer
     assert _factory_for(caplog, asr="off") is None
     caplog.clear()
     fallback = _factory_for(caplog, asr_model=str(tmp_path / "none"))
     assert fallback is PocketSphinxRecognizer
-    assert "speech recogniser: PocketSphinx (Whisper is not available" in caplog.text
+    assert "speech recogniser: PocketSphinx alone (Whisper is not available" in caplog.text
 
 
 def test_an_explicit_whisper_without_its_model_is_one_error_line_and_keys(
@@ -264,3 +268,63 @@ def test_an_explicit_whisper_without_its_model_is_one_error_line_and_keys(
     assert errors[0].getMessage().startswith("GATEWAY_ASR=whisper: whisper model "
                                              "'nowhere/whisper-base.en' is not in the local")
     assert errors[0].getMessage().endswith("speech gathers take keys only")
+
+
+# --- PocketSphinx first, Whisper when it does not match --------------------------------------
+
+
+class _Pass:
+    """A recogniser pass that answers ``result`` and counts its turns."""
+
+    def __init__(self, name: str, matched: bool) -> None:
+        from gateway.asr.base import RecognitionResult
+
+        self.name, self.turns = name, 0
+        self.result = RecognitionResult(
+            MatchStatus.MATCH if matched else MatchStatus.NO_MATCH,
+            branch="agent" if matched else None, cpu_s=0.1, recognizer=name)
+
+    def recognize(self, pcm: np.ndarray, grammar: SpeechGrammar) -> object:
+        self.turns += 1
+        return self.result
+
+    def unknown_words(self, phrases: object) -> list[object]:
+        return []
+
+
+def _combined(sphinx_matches: bool) -> tuple[object, _Pass, _Pass]:
+    from gateway.asr.combined import CombinedRecognizer
+
+    combined = CombinedRecognizer.__new__(CombinedRecognizer)
+    sphinx, whisper = _Pass("ps", sphinx_matches), _Pass("wh", True)
+    combined._sphinx, combined._whisper = sphinx, whisper  # type: ignore[attr-defined]
+    return combined, sphinx, whisper
+
+
+def test_combined_takes_pocketsphinx_s_match_and_asks_whisper_only_when_it_has_none() -> None:
+    audio = np.zeros(8000, dtype=np.int16)
+    combined, sphinx, whisper = _combined(True)
+    assert combined.recognize(audio, MENU).recognizer == "ps"  # type: ignore[attr-defined]
+    assert (sphinx.turns, whisper.turns) == (1, 0)
+    combined, sphinx, whisper = _combined(False)
+    r = combined.recognize(audio, MENU)  # type: ignore[attr-defined]
+    assert (r.recognizer, r.cpu_s, sphinx.turns, whisper.turns) == ("ps+wh", 0.2, 1, 1)
+    # Digit strings (PocketSphinx took 38.7 % wrong ones) and transcripts: Whisper alone.
+    for grammar in (DIGITS, SpeechGrammar.free_form()):
+        combined, sphinx, whisper = _combined(True)
+        assert combined.recognize(audio, grammar).recognizer == "wh"  # type: ignore[attr-defined]
+        assert sphinx.turns == 0
+
+
+def test_combined_is_a_gateway_choice_and_runs_both_models(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from gateway.asr.combined import CombinedRecognizer
+
+    factory = _factory_for(caplog, asr="combined")
+    assert factory.func is CombinedRecognizer  # type: ignore[attr-defined]
+    asr = factory()  # type: ignore[operator]
+    assert asr.name.startswith("pocketsphinx-5.") and asr.name.endswith("+whisper-tiny.en/int8")
+    asr.prepare(MENU)
+    r = asr.recognize(_caller("check my balance", SLT), MENU)
+    assert r.matched and r.branch == "account"
