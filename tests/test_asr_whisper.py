@@ -242,9 +242,8 @@ def test_auto_runs_both_where_whisper_s_model_is_and_pocketsphinx_where_it_is_no
 ) -> None:
     import functools
 
-    from gateway.asr.sphinx import PocketSphinxRecognizer
-
     from gateway.asr.combined import CombinedRecognizer
+    from gateway.asr.sphinx import PocketSphinxRecognizer
 
     auto = _factory_for(caplog)
     assert isinstance(auto, functools.partial) and auto.func is CombinedRecognizer
