@@ -44,7 +44,9 @@ pytestmark = pytest.mark.skipif(not model_available("tiny.en"),
 
 @pytest.fixture(scope="module")
 def asr() -> WhisperRecognizer:
-    return WhisperRecognizer()
+    # One thread, as run.sh gives each test process one torch thread (the suite's real-time
+    # tests on the other workers keep their cores).
+    return WhisperRecognizer(cpu_threads=1)
 
 
 def _caller(text: str, voice: SynthVoice) -> np.ndarray:
@@ -320,7 +322,7 @@ def test_combined_is_a_gateway_choice_and_runs_both_models(
 ) -> None:
     from gateway.asr.combined import CombinedRecognizer
 
-    factory = _factory_for(caplog, asr="combined")
+    factory = _factory_for(caplog, asr="combined", asr_threads=1)
     assert factory.func is CombinedRecognizer  # type: ignore[attr-defined]
     asr = factory()  # type: ignore[operator]
     assert asr.name.startswith("pocketsphinx-5.") and asr.name.endswith("+whisper-tiny.en/int8")

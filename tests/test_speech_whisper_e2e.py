@@ -77,7 +77,10 @@ def whisper_demo(tiny_model_dir: Path, demo_cache_dir: Path
                 patch.setenv("ACME_BACKEND_URL", backend.url)
                 with serve_virtual({"model": str(tiny_model_dir), "script": str(DEMO_SCRIPT),
                                     "cache_dir": str(demo_cache_dir), "max_calls": 8,
-                                    "asr": "auto", "sip": "127.0.0.1:0",
+                                    # One CTranslate2 thread, as run.sh gives each test
+                                    # process one torch thread: the suite's real-time tests
+                                    # on the other workers keep their cores.
+                                    "asr": "auto", "asr_threads": 1, "sip": "127.0.0.1:0",
                                     "sip_allow": "127.0.0.1/32",
                                     "rtp_ports": "27000-27199"}, loop=loop) as live:
                     yield live, backend.seen
