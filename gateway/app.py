@@ -542,7 +542,8 @@ async def _start_sip(gateway: Gateway, sock: socket.socket | None) -> SipEndpoin
                            answer_delay_s=settings.sip_answer_delay_ms / 1000,
                            rtp_timeout_s=settings.sip_rtp_timeout_s,
                            playout=replace(RTP_PLAYOUT, start_buffer_s=start_buffer_setting(
-                               settings.sip_start_buffer_ms)))
+                               settings.sip_start_buffer_ms),
+                               start_buffer_adapts=settings.start_buffer_adaptive))
     await endpoint.start(host, port, sock=sock)
     return endpoint
 

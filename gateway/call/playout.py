@@ -116,6 +116,10 @@ class PlayoutPolicy:
     #: would play this long after its source's playback origin. None: no hold (every frame goes
     #: as soon as it is queued, as before the start buffer existed; for comparison).
     start_buffer_s: float | None = None
+    #: The start buffer takes off the lead the engine says its next chunk will leave
+    #: (:attr:`gateway.tts.stream.SpeechStream.next_chunk_eta_s`): a device far faster than
+    #: real time holds nothing. False: the fixed hold, whatever the engine says.
+    start_buffer_adapts: bool = True
     #: The longest a first frame is held, counted from when it was queued (a source whose
     #: origin lies far back, hundreds of ms of trimmed silence, costs at most this).
     max_start_hold_s: float = 0.25

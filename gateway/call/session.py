@@ -762,7 +762,7 @@ class Call:
                     pushed = True
                     if not framed:
                         utterance.first_queued_at = clock.now()
-                    if framed == 0:
+                    if framed == 0 and playout.policy.start_buffer_adapts:
                         # A device that makes the next chunk in less than the first one plays
                         # needs none of the start buffer that covers an engine at real time:
                         # the lead it will have to spare when that chunk comes is taken off the

@@ -462,19 +462,12 @@ class EngineCore:
         elapsed = time.perf_counter() - t0
         delivered = False
         now = self.clock()
-        costs = self.scheduler.costs
-        # No estimate before a step and a decode were measured: a cold engine's first turn keeps
-        # the whole start buffer rather than trust a zero.
-        step_s = costs.step_for(len(self.scheduler.running)) \
-            if costs.step_s and costs.decode_s > 0 else None
         for turn, audio in zip(turns, audios, strict=True):
             assert turn.row is not None
             if audio is not None:
                 if len(audio):
-                    # When this turn's next chunk should come: its frames at the measured
-                    # step time, then a decode (what the start buffer needs to know).
-                    eta = None if step_s is None else \
-                        turn.row.frames_to_chunk * step_s + costs.decode_s
+                    # With the chunk, when the next one should come (the start buffer's cue).
+                    eta = self.scheduler.next_chunk_eta(turn.row.frames_to_chunk)
                     _out(turn).deliver(audio, now, self._outbox, eta)
                     delivered = True
             if turn.row.finished is not None:

@@ -42,7 +42,7 @@ from gateway.metrics import Metrics
 from gateway.tts.core import EngineCore
 from gateway.tts.engine import BatchEngine, Engine, SpeechRequest
 from gateway.tts.scheduler import SchedulerConfig
-from gateway.tts.stream import ServiceStats, SpeechStream, append_bounded
+from gateway.tts.stream import EtaMargin, ServiceStats, SpeechStream, append_bounded
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ class SpeechService:
         self.step_timeout_s = step_timeout_s
         self.clock = clock
         self.stats = ServiceStats()
+        #: What the consumers measured of the cores' next-chunk estimates (the start buffer's).
+        self.eta_margin = EtaMargin()
         self._lock = threading.Lock()
         #: Notified whenever a turn starts or ends or a core enters or leaves rotation.
         self._changed = threading.Condition(self._lock)
@@ -185,7 +187,8 @@ class SpeechService:
         now = self.clock()
         turn = turn_started_at if turn_started_at is not None else now
         stream = SpeechStream(
-            request, asyncio.get_running_loop(), turn, turn + self.first_audio_budget_s, self.clock
+            request, asyncio.get_running_loop(), turn, turn + self.first_audio_budget_s, self.clock,
+            self.eta_margin,
         )
         with self._lock:
             # Checked under the lock: a core the watchdog takes out between the check and the
