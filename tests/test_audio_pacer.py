@@ -154,3 +154,13 @@ async def test_wait_sleeps_on_the_injected_clock_to_each_deadline() -> None:
         bare = Pacer(lambda: 0.0)
         bare.start()
         await bare.wait()
+
+
+async def test_wait_after_a_stall_returns_when_the_frame_was_due_before_the_reanchor() -> None:
+    clock = ManualClock(0.0)
+    pacer = Pacer(clock, max_lag_frames=5)
+    pacer.start()
+    assert await pacer.wait() == 0.0
+    clock.t = 0.5  # the loop stalled: frame 1 (due at 0.02) is 24 frames late
+    assert await pacer.wait() == pytest.approx(0.02)  # lateness 480 ms, as the shell sees it
+    assert pacer.reanchors == 1 and pacer.due() == pytest.approx(0.52)  # sent at once, re-anchored

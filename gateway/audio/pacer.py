@@ -194,13 +194,20 @@ class Pacer:
 
     async def wait(self) -> float:
         """Sleep on the clock until the next frame is due (not at all if it already is), count
-        it as sent and return its deadline; the shell's lateness is ``clock.now() - deadline``.
+        it as sent, and return when it was due: the shell's lateness is
+        ``clock.now() - due``. That is the schedule's time before any re-anchor, so a stall
+        that made the pacer re-anchor (and send this frame at once) still shows as lateness.
+
+        Raises :class:`RuntimeError` if :meth:`start` was never called.
         """
         clock = self._clock
         if clock is None:
             raise TypeError("Pacer.wait() needs a Clock, not a bare callable")
+        if not self._anchored:
+            raise RuntimeError("Pacer.wait() called before start()")
         now = clock.now()
+        due = self._anchor + self._index * self._frame_s
         deadline = self.next_deadline(now)
         if deadline > now:
             await clock.sleep(deadline - now)
-        return deadline
+        return due
