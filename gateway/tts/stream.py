@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gateway.clock import Clock
 from gateway.errors import EngineError
 from gateway.tts.engine import SAMPLE_RATE, SpeechRequest
 
@@ -91,12 +91,13 @@ class SpeechStream:
         loop: asyncio.AbstractEventLoop,
         turn_started_at: float,
         deadline: float,
-        clock: Callable[[], float],
+        clock: Clock,
     ) -> None:
         self.request = request
+        self._clock = clock
         self.turn_started_at = turn_started_at
         self.deadline = deadline
-        self.submitted_at = clock()
+        self.submitted_at = clock.now()
         self.started_at: float | None = None
         self.first_chunk_at: float | None = None
         self.finished_at: float | None = None
@@ -176,7 +177,7 @@ class SpeechStream:
     def cancel(self) -> None:
         """Stop generating (idempotent, never blocks; call from the event loop)."""
         if not self._cancel.is_set():
-            self._cancelled_at = time.monotonic()
+            self._cancelled_at = self._clock.now()
             self._cancel.set()
             # Wake a consumer that is waiting for the next chunk.
             self._queue.put_nowait(END_OF_STREAM)
@@ -283,7 +284,7 @@ class SpeechStream:
     def cancel_from_core(self) -> None:
         """The core (or the service) stops the turn: its consumer's iteration ends."""
         if not self._cancel.is_set():
-            self._cancelled_at = time.monotonic()
+            self._cancelled_at = self._clock.now()
             self._cancel.set()
             self._put(END_OF_STREAM)
 
