@@ -16,7 +16,8 @@ in random bytes. What is checked, per datagram:
   wrong: RFC 4475 3.1.2.18 wants it answered anyway); a datagram from a disallowed
   address changes no state and gets at most a stateless 403; active calls never exceed the
   budget its admission question enforces (``MAX_CALLS``); the response cache stays under its
-  bound; once every call is hung up and the timers have run out, no dialog, transaction or cached response is left.
+  bound; once every call is hung up and the timers have run out, no dialog, transaction or
+  cached response is left.
 
 ``SIP_FUZZ_CASES`` / ``SIP_FUZZ_SEED`` change the run.
 """
