@@ -40,7 +40,7 @@ async def test_each_chunk_carries_its_estimate_and_the_second_measures_the_first
 
     async def turn(late_s: float) -> list[float | None]:
         stream = SpeechStream(SpeechRequest(text="x"), loop, clock.now(), clock.now() + 1,
-                              clock.now, margin)
+                              clock, margin)
         seen = []
         # The core hands over the first chunk saying the next comes in 20 ms; the second
         # comes late_s after that (a prefill between the steps, a slow event loop).
@@ -63,7 +63,7 @@ async def test_each_chunk_carries_its_estimate_and_the_second_measures_the_first
 async def test_no_estimate_from_the_core_is_no_estimate_for_the_consumer() -> None:
     clock = VirtualClock(start=0.0)
     stream = SpeechStream(SpeechRequest(text="x"), asyncio.get_running_loop(), 0.0, 1.0,
-                          clock.now, EtaMargin())
+                          clock, EtaMargin())
     outbox = Outbox()
     stream.deliver(CHUNK, 0.0, outbox)
     outbox.flush()

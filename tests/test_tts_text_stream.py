@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clocks import until
+from clocks import ManualClock, until
 
 from gateway.errors import EngineError
 from gateway.tts.batched import BatchedQwenEngine, BatchRow
@@ -108,7 +108,7 @@ def test_the_stream_hands_the_engine_whole_words_only() -> None:
     try:
         from gateway.tts.stream import SpeechStream
 
-        stream = SpeechStream(_request("Hello"), loop, 0.0, 0.2, lambda: 0.0)
+        stream = SpeechStream(_request("Hello"), loop, 0.0, 0.2, ManualClock())
         stream.feed(" wor")
         assert stream.take_text() is None  # a word cut short waits
         stream.feed("ld, how")
@@ -117,7 +117,7 @@ def test_the_stream_hands_the_engine_whole_words_only() -> None:
         assert stream.take_text() == (" how are you?", True)
         with pytest.raises(EngineError, match="ended"):
             stream.feed(" more")
-        whole = SpeechStream(SpeechRequest(text="x"), loop, 0.0, 0.2, lambda: 0.0)
+        whole = SpeechStream(SpeechRequest(text="x"), loop, 0.0, 0.2, ManualClock())
         with pytest.raises(EngineError, match="given whole"):
             whole.feed("y")
     finally:

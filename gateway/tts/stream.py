@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from gateway.clock import Clock
 from gateway.errors import EngineError
 from gateway.tts.engine import SAMPLE_RATE, SpeechRequest
 
@@ -115,7 +115,7 @@ class SpeechStream:
         loop: asyncio.AbstractEventLoop,
         turn_started_at: float,
         deadline: float,
-        clock: Callable[[], float],
+        clock: Clock,
         margin: EtaMargin | None = None,
     ) -> None:
         self.request = request
@@ -125,7 +125,7 @@ class SpeechStream:
         self._second_due: float | None = None
         self.turn_started_at = turn_started_at
         self.deadline = deadline
-        self.submitted_at = clock()
+        self.submitted_at = clock.now()
         self.started_at: float | None = None
         self.first_chunk_at: float | None = None
         self.finished_at: float | None = None
@@ -205,7 +205,7 @@ class SpeechStream:
     def cancel(self) -> None:
         """Stop generating (idempotent, never blocks; call from the event loop)."""
         if not self._cancel.is_set():
-            self._cancelled_at = time.monotonic()
+            self._cancelled_at = self._clock.now()
             self._cancel.set()
             # Wake a consumer that is waiting for the next chunk.
             self._queue.put_nowait(END_OF_STREAM)
@@ -233,7 +233,7 @@ class SpeechStream:
 
     def _took(self, eta_s: float | None) -> None:
         """The consumer takes a chunk whose successor the core expects in ``eta_s``."""
-        now = self._clock()
+        now = self._clock.now()
         if self._second_due is not None:
             if self._margin is not None:
                 self._margin.observe(now - self._second_due)
@@ -324,7 +324,7 @@ class SpeechStream:
     def cancel_from_core(self) -> None:
         """The core (or the service) stops the turn: its consumer's iteration ends."""
         if not self._cancel.is_set():
-            self._cancelled_at = time.monotonic()
+            self._cancelled_at = self._clock.now()
             self._cancel.set()
             self._put(END_OF_STREAM)
 
