@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.call import Call, CallOutcome, HangUp, Hangup, PlayoutPolicy, TransferTo
+from gateway.call import Call, CallerHungUp, CallOutcome, EndCall, PlayoutPolicy, TransferTo
 from gateway.clock import SystemClock
 from gateway.ivr import runner as runner_module
 from gateway.ivr.cache import PromptCache
@@ -278,7 +278,7 @@ async def test_a_node_cycle_without_input_ends_after_max_steps(
     await runner.call.close()
     print(f"\na <-> b cycle: {len(runner.path)} steps in {1000 * (time.monotonic() - t0):.0f} ms")
     assert len(runner.path) == runner_module.MAX_STEPS
-    assert transport.outcome == HangUp()
+    assert transport.outcome == EndCall()
 
 
 async def _first_utterance(runner: IvrRunner) -> str:
@@ -293,7 +293,7 @@ async def _first_utterance(runner: IvrRunner) -> str:
         assert sending in done, runner.path
         return runner.call.utterances[0].text
     finally:
-        runner.call.deliver(Hangup(at=runner.clock.now()))
+        runner.call.deliver(CallerHungUp(at=runner.clock.now()))
         await asyncio.wait_for(task, 30)
         await runner.call.close()
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.call.events import Hangup
+from gateway.call.events import CallerHungUp
 from gateway.call.session import Call, Utterance
 from gateway.cli import main
 from gateway.clock import VirtualClock
@@ -356,7 +356,7 @@ async def test_the_greeter_reads_its_free_text() -> None:
     call.dtmf("#")
     for _ in range(20):
         await asyncio.sleep(0)
-    call.deliver(Hangup(at=clock.now()))
+    call.deliver(CallerHungUp(at=clock.now()))
     await asyncio.wait_for(task, 5)
     await call.close()
     assert speaker.said == ["Call us on five five five, zero one zero, zero one nine nine.",

@@ -32,7 +32,7 @@ from gateway_process import GatewayProcess
 from sip_peers import wait_until
 from twilio_client import FakeTwilioCall
 
-from gateway.call import HangUp
+from gateway.call import EndCall
 from gateway.call.session import Call, Utterance
 from gateway.cli import main
 
@@ -302,7 +302,7 @@ async def test_a_reload_with_calls_up_lets_each_call_finish_on_its_version(
             goodbye = await caller.heard("Version one status. Goodbye.")
             assert goodbye.cached
             await caller.ended()
-            assert isinstance(caller.server.outcome, HangUp)  # type: ignore[union-attr]
+            assert isinstance(caller.server.outcome, EndCall)  # type: ignore[union-attr]
             assert caller.fake.close_code == 1000
         await call.heard("Version two status. Goodbye.")
         await call.ended()

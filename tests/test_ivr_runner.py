@@ -23,9 +23,9 @@ from clocks import VirtualClock
 from gateway.audio.condition import Conditioning
 from gateway.call import (
     Call,
+    CallerHungUp,
     CallOutcome,
-    HangUp,
-    Hangup,
+    EndCall,
     PlaybackDone,
     PlayoutPolicy,
     SpeechStarted,
@@ -269,7 +269,7 @@ async def test_menu_account_lookup_and_goodbye(
     await h.waiting_for_input()
     await h.clock.advance(6)
     await h.finished()
-    assert h.runner.path[-1] == "goodbye" and isinstance(h.transport.outcome, HangUp)
+    assert h.runner.path[-1] == "goodbye" and isinstance(h.transport.outcome, EndCall)
 
 
 async def test_no_input_retries_then_falls_back_to_the_agent(
@@ -405,7 +405,7 @@ async def test_webhook_values_are_read_as_text_never_as_templates(
     assert live == ["Thanks, {caller}. Your balance on account one two three four five six is "
                     "{0.__class__}, due on tomorrow."]
     assert "nested" not in h.runner.variables
-    h.call.deliver(Hangup(at=h.clock.now()))
+    h.call.deliver(CallerHungUp(at=h.clock.now()))
     await h.finished()
 
 
@@ -415,7 +415,7 @@ async def test_hang_up_during_a_gather_stops_the_script(
     h = Harness(demo, speech, engine, cache=demo_cache)
     await h.start()
     await h.waiting_for_input()
-    h.call.deliver(Hangup(at=h.clock.now()))
+    h.call.deliver(CallerHungUp(at=h.clock.now()))
     await h.finished()
     assert h.transport.outcome is None and h.runner.path == ["welcome", "menu"]
 
@@ -456,7 +456,7 @@ class HangsUpAtTheMark(MemoryTransport):
 
         def played_then_gone() -> None:
             call.playback_done(name)
-            call.deliver(Hangup(at=call.clock.now()))
+            call.deliver(CallerHungUp(at=call.clock.now()))
 
         asyncio.get_running_loop().call_soon(played_then_gone)
 
@@ -639,7 +639,7 @@ async def test_a_stale_mark_does_not_end_a_gather_early(
     await h.press("3456#")
     await h.waiting_for_input()
     assert h.runner.variables["account_number"] == "123456"
-    h.call.deliver(Hangup(at=h.clock.now()))
+    h.call.deliver(CallerHungUp(at=h.clock.now()))
     await h.finished()
 
 
@@ -671,7 +671,7 @@ nodes:
         ({"status": "overdue", "balance": 250}, "collections", TransferTo("+15555550101")),
         ({"status": "overdue", "balance": "99.99"}, "agent", TransferTo("+15555550100")),
         ({"status": "overdue", "balance": "unknown"}, "agent", TransferTo("+15555550100")),
-        ({"status": "suspended"}, "closed", HangUp()),
+        ({"status": "suspended"}, "closed", EndCall()),
         ({}, "agent", TransferTo("+15555550100")),
     ],
 )
@@ -923,7 +923,7 @@ async def test_a_caller_hanging_up_is_in_the_trace(
     h = Harness(demo, speech, engine, cache=demo_cache)
     await h.start()
     await h.waiting_for_input()
-    h.call.deliver(Hangup(at=h.clock.now()))
+    h.call.deliver(CallerHungUp(at=h.clock.now()))
     await h.finished()
     (trace,) = _trace_records(caplog)
     assert trace["outcome"] == "caller hung up" and trace["path"] == ["welcome", "menu"]

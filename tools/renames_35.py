@@ -87,6 +87,7 @@ def rename_tokens(text: str, names: dict[str, str], *, spans: bool = True, dotte
         tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
     except (tokenize.TokenError, SyntaxError):
         return text
+    exported = _all_spans(text, offsets)
     for tok in tokens:
         if _kept(tok.line):
             continue
@@ -96,11 +97,30 @@ def rename_tokens(text: str, names: dict[str, str], *, spans: bool = True, dotte
             edits.append((start, end, names[tok.string]))
         elif tok.type == tokenize.STRING and strings and tok.string in strings:
             edits.append((start, end, strings[tok.string]))
+        elif (tok.type == tokenize.STRING and tok.string[1:-1] in names
+              and any(a <= start < b for a, b in exported)):
+            # A name in ``__all__`` (only there: "Hangup" elsewhere is a TwiML verb).
+            edits.append((start, end, tok.string[0] + names[tok.string[1:-1]] + tok.string[-1]))
         elif tok.type in (tokenize.STRING, tokenize.COMMENT) and spans:
             new = _in_spans(tok.string, names, dotted)
             if new != tok.string:
                 edits.append((start, end, new))
     return _apply(text, edits)
+
+
+def _all_spans(text: str, offsets: list[int]) -> list[tuple[int, int]]:
+    """Where ``__all__``'s value is written (offsets)."""
+    tree = _parse(text)
+    spans = []
+    for node in tree.body if tree is not None else []:
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+        value = getattr(node, "value", None)
+        if value is not None and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                     for t in targets):
+            spans.append((offsets[value.lineno - 1] + value.col_offset,
+                          offsets[value.end_lineno - 1] + value.end_col_offset))
+    return spans
 
 
 def rename_imported(text: str, module: str, old: str, new: str, *, defines: bool) -> str:

@@ -63,11 +63,11 @@ from gateway.audio.framer import PhonePipeline
 from gateway.audio.g711 import codec_silence, float_to_int16
 from gateway.audio.resample import INPUT_RATE
 from gateway.call.events import (
+    CallerHungUp,
     CallEvent,
     CallOutcome,
     Codec,
     Dtmf,
-    Hangup,
     PlaybackDone,
     SpeechFailed,
     SpeechPaused,
@@ -551,7 +551,7 @@ class Call:
             utterance = self._pending_marks.pop(event.name, None)
             if utterance is not None:
                 utterance.played.set()
-        if isinstance(event, Hangup):
+        if isinstance(event, CallerHungUp):
             self.ended = True
         self._post(event)
 
@@ -567,7 +567,7 @@ class Call:
             if self.events_dropped == 1:
                 log.warning("call %s: %d events unread; dropping the excess", self.call_id,
                             MAX_EVENTS)
-            if not isinstance(event, Hangup | SpeechFailed):
+            if not isinstance(event, CallerHungUp | SpeechFailed):
                 return
             events.get_nowait()
         events.put_nowait(event)

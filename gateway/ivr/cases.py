@@ -64,7 +64,7 @@ from gateway.asr.base import Encoding, MatchStatus, RecognitionResult
 from gateway.asr.grammar import SpeechGrammar, match, phrase_words
 from gateway.asr.pool import SpeechSession
 from gateway.audio.g711 import Codec
-from gateway.call.events import CallOutcome, Hangup, SpeechPaused, SpeechStarted
+from gateway.call.events import CallerHungUp, CallOutcome, SpeechPaused, SpeechStarted
 from gateway.call.playout import PlayoutPolicy
 from gateway.call.session import Call, Utterance
 from gateway.clock import VirtualClock
@@ -459,7 +459,7 @@ async def run_case(script: IvrScript, case: Case, position: tuple[int, int] = (1
             elif isinstance(step, Say):
                 await _say(call, clock, heard, step.say)
             else:
-                call.deliver(Hangup(at=clock.now()))
+                call.deliver(CallerHungUp(at=clock.now()))
         # The caller says nothing more: let time run until the call ends.
         while not task.done():
             if not await turn():

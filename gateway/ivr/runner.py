@@ -39,10 +39,10 @@ import numpy as np
 from gateway.asr.base import MatchStatus, RecognitionResult
 from gateway.asr.grammar import SpeechGrammar
 from gateway.call.events import (
+    CallerHungUp,
     CallEvent,
     Dtmf,
-    HangUp,
-    Hangup,
+    EndCall,
     PlaybackDone,
     SpeechFailed,
     SpeechStarted,
@@ -223,7 +223,7 @@ class IvrRunner:
             else:
                 log.error("call %s: %d steps without end; hanging up", self.call.call_id, MAX_STEPS)
             if self.call.outcome is None and not self.call.ended:
-                await self.call.end(HangUp())
+                await self.call.end(EndCall())
         except _CallEnded:
             log.info("call %s: caller left during %s", self.call.call_id, self.path[-1:])
         finally:
@@ -235,7 +235,7 @@ class IvrRunner:
         outcome = self.call.outcome
         if isinstance(outcome, TransferTo):
             trace.outcome, trace.target = "transfer", outcome.target
-        elif isinstance(outcome, HangUp):
+        elif isinstance(outcome, EndCall):
             trace.outcome = "hangup"
         elif self.call.ended:
             trace.outcome = "caller hung up"
@@ -272,7 +272,7 @@ class IvrRunner:
                 await self.call.end(TransferTo(node.transfer))
                 return None
             if node.hangup:
-                await self.call.end(HangUp())
+                await self.call.end(EndCall())
                 return None
             return node.next
         except _Failed as exc:
@@ -281,7 +281,7 @@ class IvrRunner:
                     "call %s: node %s failed: %s; %s", self.call.call_id, name, exc,
                     f"going to {target}" if target is not None else "hanging up")
             if target is None:
-                await self.call.end(HangUp())
+                await self.call.end(EndCall())
             return target
 
     def _arrive(self, node: Node) -> None:
@@ -430,7 +430,7 @@ class IvrRunner:
             event = await self._event_unless(utterance.played.wait(), utterance.failed.wait())
             if event is None:
                 return None
-            if isinstance(event, Hangup) or self.call.ended:
+            if isinstance(event, CallerHungUp) or self.call.ended:
                 raise _CallEnded()
             return None if isinstance(event, PlaybackDone) else event
         # Waiting for the caller: marks of earlier (interrupted) audio are not input and must
@@ -448,7 +448,7 @@ class IvrRunner:
                 if got is None:
                     deadline = self.clock.now() + timeout
                     continue
-            if isinstance(got, Hangup) or self.call.ended:
+            if isinstance(got, CallerHungUp) or self.call.ended:
                 raise _CallEnded()
             if not isinstance(got, PlaybackDone):
                 return got
@@ -594,7 +594,7 @@ class IvrRunner:
                     if event is None:
                         no_input_at = self.clock.now() + timeout
                         continue
-                    if isinstance(event, Hangup) or self.call.ended:
+                    if isinstance(event, CallerHungUp) or self.call.ended:
                         raise _CallEnded()
                 else:
                     event, reached = await self._next_speech_event(turn, now, no_input_at)
@@ -636,7 +636,7 @@ class IvrRunner:
         if not getter.done() or getter.cancelled():
             return None, reached
         event = getter.result()
-        if isinstance(event, Hangup) or self.call.ended:
+        if isinstance(event, CallerHungUp) or self.call.ended:
             raise _CallEnded()
         return event, None
 
