@@ -75,7 +75,7 @@ from gateway.call.events import (
 )
 from gateway.call.frames import PromptFrames
 from gateway.call.inactivity import InactivityWatch
-from gateway.call.playout import FRAME_S, FrameSink, Playout, PlayoutPolicy, Speaker
+from gateway.call.playout import FRAME_S, FrameOwner, FrameSink, Playout, PlayoutPolicy
 from gateway.clock import Clock
 from gateway.errors import EngineError
 from gateway.metrics import Metrics
@@ -578,26 +578,26 @@ class Call:
     def _inactive(self) -> None:
         self.transport.abort("inbound timeout")
 
-    def _underrun(self, speaker: Speaker, silence_s: float, starved: bool) -> None:
+    def _underrun(self, utterance: FrameOwner, silence_s: float, starved: bool) -> None:
         """The caller heard ``silence_s`` of silence in the middle of an utterance (``starved``:
         while it waited for audio, not while its audio waited to be sent)."""
-        if not isinstance(speaker, Utterance):
+        if not isinstance(utterance, Utterance):
             return
-        speaker.underruns += 1
-        speaker.underrun_s += silence_s
+        utterance.underruns += 1
+        utterance.underrun_s += silence_s
         # The engine's own count says whose the gap is: the chunk that ended it came late from
         # the engine (also in gateway_tts_underruns_total), or it was on time and lost its lead
         # on the way (the phone path, the event loop, the transport). One late chunk explains
         # one gap: a beat a stalled loop sends late after it is not the engine's.
-        cause = "engine" if starved and speaker.late_chunk else "playout"
+        cause = "engine" if starved and utterance.late_chunk else "playout"
         if cause == "engine":
-            speaker.late_chunk = False
+            utterance.late_chunk = False
         if self._metrics is not None:
             self._metrics.playout_underruns.labels(self._transport_name, cause).inc()
             self._metrics.playout_underrun_seconds.labels(self._transport_name, cause
                                                           ).inc(silence_s)
         log.info("call %s: %s ran dry for %.1f ms after %d frames (%s)", self.call_id,
-                 speaker.id, 1000 * silence_s, speaker.frames_sent, cause)
+                 utterance.id, 1000 * silence_s, utterance.frames_sent, cause)
 
     def _playout_failed(self, exc: BaseException) -> None:
         # A transport that cannot take frames any more: the call cannot go on.
