@@ -36,7 +36,7 @@ from gateway.ivr.cache import PromptCache
 from gateway.ivr.prompts import audio_identity, resolve_voice
 from gateway.ivr.runner import MAX_WEBHOOK_BYTES, IvrRunner, RunnerContext
 from gateway.ivr.script import MAX_VALUE_CHARS, Script, ScriptError, parse_script
-from gateway.speech import Speaker, Voice
+from gateway.speech import Speaker, SpeechVoice
 from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.service import SpeechService
 
@@ -171,7 +171,7 @@ def _runner(script: Script, speech: SpeechService, engine: BatchedQwenEngine,
     transport.call = call
     context = RunnerContext(script=script, cache=PromptCache(None),
                             model_fingerprint=engine.fingerprint, voice_identity=voice.identity,
-                            speaker=Speaker(speech, Voice(prompt=voice.prompt)),
+                            speaker=Speaker(speech, SpeechVoice(prompt=voice.prompt)),
                             audio=audio_identity(engine, None), clock=clock,
                             http=httpx.AsyncClient())
     base = {"caller": "+15550001111", "called": "+15550002222", "call_id": call.call_id}

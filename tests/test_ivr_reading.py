@@ -26,8 +26,7 @@ from gateway.ivr.lines import load_lines
 from gateway.ivr.prompts import ResolvedVoice, render_missing, renders
 from gateway.ivr.runner import IvrRunner, RunnerContext
 from gateway.ivr.script import Script, ScriptError, parse_script
-from gateway.speech import Speaker
-from gateway.speech import Voice as SpeechVoice
+from gateway.speech import Speaker, SpeechVoice
 from gateway.text import LexiconEntry, Reader, Reading
 from gateway.tts.engine import SpeechRequest
 

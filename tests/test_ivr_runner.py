@@ -35,7 +35,7 @@ from gateway.ivr.cache import PromptCache
 from gateway.ivr.prompts import ResolvedVoice, audio_identity, render_missing, resolve_voice
 from gateway.ivr.runner import IvrRunner, RunnerContext
 from gateway.ivr.script import Script, load_script, parse_script
-from gateway.speech import Speaker, Voice
+from gateway.speech import Speaker, SpeechVoice
 from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.engine import Engine, SpeechRequest
 from gateway.tts.service import SpeechService
@@ -167,7 +167,7 @@ class Harness:
             cache=self.cache,
             model_fingerprint=engine.fingerprint,
             voice_identity=self.voice.identity,
-            speaker=Speaker(speech, Voice(prompt=self.voice.prompt)),
+            speaker=Speaker(speech, SpeechVoice(prompt=self.voice.prompt)),
             audio=audio_identity(engine, self.conditioning),
             clock=self.clock,
             http=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
@@ -776,7 +776,7 @@ async def test_a_node_changes_the_calls_language_or_voice_and_the_cache_keys_fol
     original = Speaker.request
 
     def recording(self: Speaker, text: str, call_id: str, utterance_id: str,
-                  voice: Voice | None = None) -> SpeechRequest:
+                  voice: SpeechVoice | None = None) -> SpeechRequest:
         request = original(self, text, call_id, utterance_id, voice)
         requests.append(request)
         return request

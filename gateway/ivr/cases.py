@@ -84,8 +84,7 @@ from gateway.ivr.script import (
 )
 from gateway.ivr.script import Script as IvrScript
 from gateway.ivr.trace import CallTrace
-from gateway.speech import Speaker
-from gateway.speech import Voice as SpeechVoice
+from gateway.speech import Speaker, SpeechVoice
 from gateway.text import Reader
 
 __all__ = [

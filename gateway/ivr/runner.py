@@ -61,17 +61,16 @@ from gateway.ivr.script import (
     Node,
     SayItem,
     Script,
+    ScriptVoice,
     Sentence,
     Webhook,
     canonical_language,
     render,
     template_variables,
 )
-from gateway.ivr.script import Voice as ScriptVoice
 from gateway.ivr.trace import CallTrace, Heard, KeyPress, Recognised, Visit, WebhookCall
 from gateway.metrics import Metrics
-from gateway.speech import Speaker
-from gateway.speech import Voice as SpeechVoice
+from gateway.speech import Speaker, SpeechVoice
 from gateway.text import Reader, Rendering
 
 log = logging.getLogger(__name__)
