@@ -55,8 +55,8 @@ from gateway.call.registry import CallRegistry
 from gateway.call.session import Call, Dialog, SpeechDetector
 from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
-from gateway.demo import GreeterDialogs
 from gateway.errors import GatewayError
+from gateway.greeter import GreeterDialogs
 from gateway.http_limits import RequestLimits
 from gateway.ivr.cache import PromptCache
 from gateway.ivr.lines import FileStamp, LinePlan, load_lines, single_script

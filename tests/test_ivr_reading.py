@@ -19,7 +19,7 @@ from gateway.call.events import CallerHungUp
 from gateway.call.session import Call, Utterance
 from gateway.cli import main
 from gateway.clock import VirtualClock
-from gateway.demo import greeter
+from gateway.greeter import greeter
 from gateway.ivr.cache import PromptCache
 from gateway.ivr.cases import InstantTransport, SilentSpeaker, load_cases, run_case
 from gateway.ivr.lines import load_lines
