@@ -116,8 +116,8 @@ COPY prompts ./prompts
 RUN set -e; \
     mkdir -p /var/cache/gateway/prompts; \
     for script in $PROMPT_SCRIPTS; do \
-        gateway prompts validate "$script"; \
-        HF_HUB_OFFLINE=1 GATEWAY_DTYPE=bfloat16 gateway prompts render "$script" \
+        gateway script validate "$script"; \
+        HF_HUB_OFFLINE=1 GATEWAY_DTYPE=bfloat16 gateway script render "$script" \
             --model "/models/$MODEL_ID" \
             --device cpu --cache-dir /var/cache/gateway/prompts; \
     done

@@ -4,7 +4,7 @@
 #   ./run.sh test [pytest args] set up the same way, run the test suite (CI runs exactly this)
 #   ./run.sh setup             only set up
 #   ./run.sh --help | help [COMMAND]   the gateway's commands, or one command's options
-#   ./run.sh COMMAND ...       any other gateway command (demo, call, say, prompts, loadsim...)
+#   ./run.sh COMMAND ...       any other gateway command (demo, call, say, script, loadsim...)
 set -euo pipefail
 cd "$(dirname "$0")"
 

@@ -32,9 +32,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
-prompts_app = typer.Typer(no_args_is_help=True,
-                          help="IVR scripts: validate, pre-render, draw, test.")
-app.add_typer(prompts_app, name="prompts")
+script_app = typer.Typer(no_args_is_help=True,
+                         help="IVR scripts: validate, pre-render, draw, test.")
+app.add_typer(script_app, name="script")
 app.add_typer(loadsim_app, name="loadsim")
 app.add_typer(model_app, name="model")
 voices_app = typer.Typer(
@@ -459,8 +459,8 @@ def voices_remove(
     typer.echo(f"removed voice {name!r} from {registry.directory}")
 
 
-@prompts_app.command("validate")
-def prompts_validate(
+@script_app.command("validate")
+def script_validate(
     files: Annotated[list[Path], typer.Argument(help="IVR scripts or lines files (YAML).")],
 ) -> None:
     """Check scripts, or a lines file and every script it names: schema and logic errors as
@@ -490,8 +490,8 @@ def prompts_validate(
         raise GatewayError(f"{failed} of {len(files)} file(s) have errors")
 
 
-@prompts_app.command("graph")
-def prompts_graph(
+@script_app.command("graph")
+def script_graph(
     file: Annotated[Path, typer.Argument(help="IVR script (YAML).")],
     output: Annotated[
         Path, typer.Option("-o", "--output", help="flow.svg, flow.png, flow.pdf or flow.dot.")
@@ -509,8 +509,8 @@ def prompts_graph(
     typer.echo(f"wrote {output}: {len(script.nodes)} nodes")
 
 
-@prompts_app.command("test")
-def prompts_test(
+@script_app.command("test")
+def script_test(
     file: Annotated[Path, typer.Argument(help="IVR script (YAML).")],
     cases: Annotated[Path, typer.Argument(help="Case file (YAML): callers and what they hear.")],
     line: Annotated[
@@ -551,8 +551,8 @@ def prompts_test(
         raise GatewayError(f"{failed} of {len(results)} case(s) failed")
 
 
-@prompts_app.command("render")
-def prompts_render(
+@script_app.command("render")
+def script_render(
     files: Annotated[list[Path], typer.Argument(help="IVR scripts or lines files (YAML).")],
     model: Annotated[str | None, typer.Option(help="Model id or local directory.")] = None,
     device: Annotated[str | None, typer.Option(help="auto|cpu|cuda.")] = None,

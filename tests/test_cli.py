@@ -184,7 +184,7 @@ def _free_tcp_port() -> int:
 OFFLINE_COMMANDS = {
     "say": ["say", "Hi.", "-o", "{tmp}/x.wav", "--device", "cpu"],
     "serve": ["serve", "--insecure", "--port", "0"],
-    "prompts render": ["prompts", "render", "prompts/demo.yaml", "--cache-dir", "{tmp}/cache"],
+    "script render": ["script", "render", "prompts/demo.yaml", "--cache-dir", "{tmp}/cache"],
     "voices add": ["voices", "add", "anna", "{tmp}/ref.wav", "--text", "Hello.", "--dir",
                    "{tmp}/voices"],
 }
@@ -242,7 +242,7 @@ def test_command_summaries_are_whole_sentences_not_the_docstrings_line_breaks(
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if "│ demo " in line)
     assert "account backend stub: call it with `gateway call" in line
-    assert main(["prompts", "--help"]) == 0
+    assert main(["script", "--help"]) == 0
     out = capsys.readouterr().out
     assert "schema and logic errors as file:line:column: message" in out
 

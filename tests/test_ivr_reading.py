@@ -307,19 +307,19 @@ async def test_cases_check_the_words_a_caller_hears(script: Script, tmp_path: Pa
     assert moved.trace.heard[0].words == "Thank you for calling Ack-mee."
 
 
-def test_prompts_test_takes_a_line_of_a_lines_file(tmp_path: Path,
+def test_script_test_takes_a_line_of_a_lines_file(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     path = _lines(tmp_path, "    lexicon: [{text: Acme, say: Ack-mee}]\n")
     cases = tmp_path / "acme.cases.yaml"
     cases.write_text("cases:\n  - name: the line's words\n"
                      "    hears: [Thank you for calling Ack-mee.]\n    path: [hello, lookup, bye]"
                      "\n")
-    assert main(["prompts", "test", str(path), str(cases), "--line", "main"]) == 1
+    assert main(["script", "test", str(path), str(cases), "--line", "main"]) == 1
     out = capsys.readouterr().out
     # The words matched; only the (deliberately short) list of sentences did not.
     assert "the words of sentence 2: said \"Visit us" in out
     assert "sentence 1" not in out
-    assert main(["prompts", "test", str(path), str(cases), "--line", "nope"]) == 1
+    assert main(["script", "test", str(path), str(cases), "--line", "nope"]) == 1
     assert "has no line 'nope'" in capsys.readouterr().err
 
 

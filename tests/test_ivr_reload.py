@@ -3,7 +3,7 @@
 One gateway (tiny model, virtual time, Twilio and SIP) serves a lines file in a temporary
 directory: the demo as the customer-service line (and the default), and a small outage line
 whose script the tests rewrite. The prompt cache starts as a copy of the demo's, with the outage
-line rendered by ``gateway prompts render LINES`` exactly as an operator would.
+line rendered by ``gateway script render LINES`` exactly as an operator would.
 
 Reloads are waited for on the reloader's attempt counter (with a real-time limit), never by
 sleeping: the gateway polls the files on its injected clock, which is the loop's virtual time.
@@ -105,7 +105,7 @@ def rig(tiny_model_dir: Path, demo_cache_dir: Path,
     (root / "lines.yaml").write_text(_lines())
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["prompts", "render", str(root / "lines.yaml"), "--model", str(tiny_model_dir),
+        code = main(["script", "render", str(root / "lines.yaml"), "--model", str(tiny_model_dir),
                      "--device", "cpu", "--cache-dir", str(cache)])
     assert code == 0, out.getvalue()
     with serve_virtual({"model": str(tiny_model_dir), "lines": str(root / "lines.yaml"),
@@ -174,7 +174,7 @@ class TwilioCall:
 # --- routing ----------------------------------------------------------------------------------
 
 
-def test_prompts_render_takes_the_lines_file_and_the_gateway_starts_with_every_prompt(
+def test_script_render_takes_the_lines_file_and_the_gateway_starts_with_every_prompt(
     rig: Rig,
 ) -> None:
     """The CLI rendered the outage line's sentences (the demo's were cached already) under the

@@ -119,7 +119,7 @@ def demo(monkeypatch_module: pytest.MonkeyPatch) -> Script:
 
 @pytest.fixture(scope="module")
 def demo_cache(demo_cache_dir: Path) -> PromptCache:
-    """The demo's static prompts, pre-rendered once per run by ``gateway prompts render``."""
+    """The demo's static prompts, pre-rendered once per run by ``gateway script render``."""
     return PromptCache(demo_cache_dir)
 
 
@@ -146,7 +146,7 @@ class Harness:
         self.voice = voice if voice is not None else resolve_voice(script)
         self.clock = VirtualClock()
         self.transport = transport if transport is not None else MemoryTransport()
-        # The phone path of a gateway on default settings: what `gateway prompts render`
+        # The phone path of a gateway on default settings: what `gateway script render`
         # (the demo cache) conditions with, so the keys match and are true.
         self.conditioning = Conditioning()
         self.call = Call("CA" + "7" * 32, self.transport, self.clock, transport_name="twilio",

@@ -31,7 +31,7 @@ def _id(command: Documented) -> str:
 def test_the_readme_documents_the_commands_this_test_knows() -> None:
     names = {tuple(c.argv[:2]) for c in COMMANDS}
     for expected in (("demo",), ("call",), ("loadsim", "run"), ("loadsim", "capacity"),
-                     ("loadsim", "merge"), ("prompts", "validate"), ("say",)):
+                     ("loadsim", "merge"), ("script", "validate"), ("say",)):
         assert any(name[:len(expected)] == expected for name in names), expected
     samples = [c for c in COMMANDS if c.sample is not None]
     assert {tuple(c.argv[:2]) for c in samples} >= {("call",), ("loadsim", "run"),
@@ -59,7 +59,7 @@ def test_every_documented_command_exists_with_its_options(
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c.argv[:2] in (
-    ["prompts", "validate"], ["prompts", "graph"], ["prompts", "test"], ["say"],
+    ["script", "validate"], ["script", "graph"], ["script", "test"], ["say"],
     ["model", "tiny"], ["voices", "list"]) or c.argv[:1] in (["say"], ["model"])], ids=_id)
 def test_cheap_documented_commands_run_as_written(
     command: Documented, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -69,7 +69,7 @@ def test_cheap_documented_commands_run_as_written(
     monkeypatch.chdir(tmp_path)  # outputs (flow.svg, p.wav, ./tiny-model) land here
     if argv[0] == "say":
         argv += ["--model", str(tiny_model_dir), "--device", "cpu"]
-    if argv[:2] == ["prompts", "graph"] and not shutil.which("dot"):
+    if argv[:2] == ["script", "graph"] and not shutil.which("dot"):
         pytest.skip("graphviz is not installed")
     code = main(argv)
     captured = capsys.readouterr()

@@ -1,6 +1,6 @@
 """Script tests: scripted callers through the real IVR runner, no model, no network.
 
-``gateway prompts test SCRIPT CASES.yaml`` runs each case of a case file (see
+``gateway script test SCRIPT CASES.yaml`` runs each case of a case file (see
 ``prompts/demo.cases.yaml``) as a call: the runner walks the script exactly as in production,
 on a virtual clock (a 5 s gather timeout costs nothing), with every sentence "played" at once as
 a 20 ms silence (it checks the flow, not the audio), webhooks answered from the case file and,
@@ -29,7 +29,7 @@ Once the steps run out the caller stays silent until the call ends. ``path``, ``
 ``hears`` and ``outcome`` are each optional and exact; a failure says where the call diverged.
 ``says`` checks the sentences as written, their values filled in (``Your balance is 456.10``);
 ``hears`` the words the engine speaks (``Your balance is four hundred and fifty-six dollars,
-ten cents``), read the way the script (or, with ``gateway prompts test --line``, a line of a
+ten cents``), read the way the script (or, with ``gateway script test --line``, a line of a
 lines file) reads them.
 
 A ``say`` step is heard as its words: a speech gather recognises exactly the phrase (or digit
