@@ -35,6 +35,19 @@ model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
 script_app = typer.Typer(no_args_is_help=True,
                          help="IVR scripts: validate, pre-render, draw, test.")
 app.add_typer(script_app, name="script")
+
+
+def _prompts_is_deprecated(ctx: typer.Context) -> None:
+    """``gateway prompts VERB``: the name the script commands had before this release."""
+    verb = ctx.invoked_subcommand or "..."
+    # One line on stderr: stdout stays what `gateway script` prints (scripts parse it).
+    typer.echo(f"warning: `gateway prompts {verb}` is deprecated and will be removed in the "
+               f"next release; use `gateway script {verb}`", err=True)
+
+
+# Deprecated alias of `script` for one release: the same commands, announced on stderr.
+app.add_typer(script_app, name="prompts", callback=_prompts_is_deprecated,  # renames_35: keep
+              help="Deprecated alias of `gateway script` (removed in the next release).")
 app.add_typer(loadsim_app, name="loadsim")
 app.add_typer(model_app, name="model")
 voices_app = typer.Typer(
