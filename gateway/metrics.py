@@ -222,8 +222,8 @@ class Metrics:
             "gateway_tts_failures_total", "Turns failed by an error inside the engine.",
             registry=r,
         )
-        self.tts_slots_healthy = Gauge(
-            "gateway_tts_slots_healthy",
+        self.tts_engines_healthy = Gauge(
+            "gateway_tts_engines_healthy",
             "Engine slots in service (failed rebuilds retire one; a stuck step takes one out "
             "until it returns).",
             registry=r,

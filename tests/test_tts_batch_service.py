@@ -255,7 +255,7 @@ async def test_an_exception_inside_a_step_fails_the_heard_turns_and_the_rest_car
     assert _frames(await _drain(poison)) == 10 and _frames(await _drain(bystander)) == 10
     # The poisoned turn at least; the bystander too if it was admitted before the failure.
     assert engine.rebuilds == 1 and service.stats.restarted >= 1
-    assert service.stats.failed == 1 and service.healthy_slots == 1
+    assert service.stats.failed == 1 and service.healthy_engines == 1
     after = service.stream(_request("Later caller.", 6))
     assert _frames(await _drain(after)) == 6
     if graphs:  # warm-up and rebuild each captured all three buckets, serving none
@@ -281,11 +281,11 @@ async def test_the_watchdog_fails_a_hung_step_and_the_loop_serves_again_once_it_
     stuck = service.stream(_request("Hang.", 10))
     with pytest.raises(EngineError, match="made no progress"):
         await _drain(stuck)
-    assert entered.is_set() and service.healthy_slots == 0 and service.stats.stuck_steps == 1
+    assert entered.is_set() and service.healthy_engines == 0 and service.stats.stuck_steps == 1
     with pytest.raises(EngineError, match="no healthy TTS slot"):
         service.stream(_request("Nobody to serve me.", 3))
     release.set()
-    await _until(service, lambda: service.healthy_slots == 1)
+    await _until(service, lambda: service.healthy_engines == 1)
     assert engine.rebuilds == 1
     assert _frames(await _drain(service.stream(_request("Back.", 4)))) == 4
 
