@@ -413,6 +413,7 @@ async def test_a_stuck_engine_step_fails_the_turn_and_the_other_engine_keeps_ser
             # Out of rotation while the step hangs, and the alarm is up.
             assert speech.healthy_engines == 1
             assert _metric(live, "gateway_tts_engines_healthy") == 1.0
+            assert _metric(live, "gateway_tts_slots_healthy") == 1.0  # renames_35: keep
             assert _metric(live, "gateway_tts_stuck_steps_total") >= 1.0
             # A third caller is still served, by the healthy engine.
             async with _new_call(live) as third:
