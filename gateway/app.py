@@ -73,8 +73,8 @@ from gateway.tts.engine import Engine, VoicePrompt
 from gateway.tts.service import SpeechService
 from gateway.twilio.rest import CallUpdater
 from gateway.twilio.routes import build_router
-from gateway.twilio.session import Outcomes, TwilioConfig
 from gateway.twilio.signature import SignatureChecker
+from gateway.twilio.stream import Outcomes, TwilioConfig
 
 log = logging.getLogger(__name__)
 

@@ -108,10 +108,10 @@ def test_no_module_but_the_process_shell_imports_the_app() -> None:
 
 def test_both_transports_go_through_the_one_lifecycle() -> None:
     graph = parsed_import_graph()
-    for adapter in ("gateway.twilio.session", "gateway.sip.endpoint"):
+    for adapter in ("gateway.twilio.stream", "gateway.sip.endpoint"):
         assert "gateway.call.lifecycle" in graph[adapter], adapter
     # and neither does the lifecycle's work itself: no transport builds a Call or paces frames.
-    for path in (PACKAGE / "twilio" / "session.py", PACKAGE / "sip" / "endpoint.py"):
+    for path in (PACKAGE / "twilio" / "stream.py", PACKAGE / "sip" / "endpoint.py"):
         source = path.read_text()
         assert "Call(" not in source and "Pacer" not in source, path
         assert "SpeechStartDetector" not in source and "ulaw_encode" not in source, path

@@ -221,7 +221,7 @@ class _ClosedUnderUs:
 async def test_writes_to_a_socket_closed_under_the_call_are_dropped_not_raised() -> None:
     from gateway.call import EndCall
     from gateway.twilio.protocol import MediaStreamProtocol
-    from gateway.twilio.session import TwilioTransport
+    from gateway.twilio.stream import TwilioTransport
 
     protocol = MediaStreamProtocol()
     for name in ("connected", "start"):

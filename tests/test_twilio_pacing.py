@@ -16,7 +16,7 @@ from clocks import VirtualClock
 
 from gateway.call.events import EndCall
 from gateway.call.playout import Playout
-from gateway.twilio.session import MAX_OUTCOMES, Outcomes, TwilioConfig
+from gateway.twilio.stream import MAX_OUTCOMES, Outcomes, TwilioConfig
 
 FRAME = b"\xff" * 160
 

@@ -1,6 +1,6 @@
 """The call as a media session: inbound events in, paced 20 ms G.711 frames out.
 
-Every transport's call is one :class:`Call`. Its transport adapter (``gateway.twilio.session``,
+Every transport's call is one :class:`Call`. Its transport adapter (``gateway.twilio.stream``,
 ``gateway.sip.endpoint``, or a third one) only translates: it reports what arrives on the wire
 (:meth:`Call.inbound_audio`, :meth:`Call.dtmf`, :meth:`Call.playback_done`, :meth:`Call.received`)
 and implements :class:`CallTransport` to put frames, marks and ``clear`` on the wire and to end
