@@ -220,7 +220,7 @@ _DETECTOR_MEMORY_S = 1.0
 
 class InboundListener(Protocol):
     """Takes a call's inbound audio while a speech gather listens (a
-    :class:`~gateway.asr.pool.SpeechSession`). Called on the call's task, frame by frame;
+    :class:`~gateway.asr.pool.SpeechListener`). Called on the call's task, frame by frame;
     times are on the call's clock."""
 
     def feed(self, frame: bytes | bytearray | memoryview) -> object: ...

@@ -62,7 +62,7 @@ from pydantic import (
 
 from gateway.asr.base import Encoding, MatchStatus, RecognitionResult
 from gateway.asr.grammar import SpeechGrammar, match, phrase_words
-from gateway.asr.pool import SpeechSession
+from gateway.asr.pool import SpeechListener
 from gateway.audio.g711 import Codec
 from gateway.call.events import CallerHungUp, CallOutcome, SpeechPaused, SpeechStarted
 from gateway.call.playout import PlayoutPolicy
@@ -341,10 +341,10 @@ class _HeardAsWritten:
     def __init__(self) -> None:
         self.said = ""
 
-    def session(self, grammar: SpeechGrammar, *, encoding: Encoding = "pcmu",
-                max_speech_s: float = 10.0) -> SpeechSession:
-        return SpeechSession(self._recognize, grammar, encoding=encoding,
-                             max_speech_s=max_speech_s)
+    def listener(self, grammar: SpeechGrammar, *, encoding: Encoding = "pcmu",
+                 max_speech_s: float = 10.0) -> SpeechListener:
+        return SpeechListener(self._recognize, grammar, encoding=encoding,
+                              max_speech_s=max_speech_s)
 
     async def _recognize(self, pcm: np.ndarray, grammar: SpeechGrammar) -> RecognitionResult:
         words = phrase_words(self.said)
@@ -486,24 +486,24 @@ async def _say(call: Call, clock: VirtualClock, heard: _HeardAsWritten, text: st
     words' time, then a pause begins that the listening gather, if any, ends the turn with."""
     heard.said = text
     listener = call.listener
-    session = listener if isinstance(listener, SpeechSession) else None
+    speech = listener if isinstance(listener, SpeechListener) else None
     now = clock.now()
-    if session is not None:
-        session.speech_started(now)
+    if speech is not None:
+        speech.speech_started(now)
     call.deliver(SpeechStarted(at=now))
     await clock.advance(_SECONDS_PER_WORD * max(1, len(phrase_words(text))))
-    if session is None or call.listener is not session:
+    if speech is None or call.listener is not speech:
         return
-    session.feed(_SILENCE.tobytes())
+    speech.feed(_SILENCE.tobytes())
     now = clock.now()
-    session.speech_paused(now)
+    speech.speech_paused(now)
     call.deliver(SpeechPaused(now, at=now))
     # The caller is silent now, waiting for an answer: let the gather's end-of-speech timeouts
     # run out until it decides (it stops listening then).
     for _ in range(_SAY_STEPS):
         for _ in range(5):
             await asyncio.sleep(0)
-        if call.listener is not session:
+        if call.listener is not speech:
             return
         deadline = clock.next_deadline()
         if deadline is not None:

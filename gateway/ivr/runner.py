@@ -535,13 +535,13 @@ class IvrRunner:
         ``grammar`` what the caller says, whichever completes first."""
         turn: SpeechTurn | None = None
         if grammar is not None and not self.typeahead and self.ctx.recognizer is not None:
-            session = self.ctx.recognizer.session(grammar, encoding=self.call.codec,
-                                                  max_speech_s=gather.max_speech)
-            turn = SpeechTurn(session, complete_s=gather.complete_timeout,
+            listener = self.ctx.recognizer.listener(grammar, encoding=self.call.codec,
+                                                    max_speech_s=gather.max_speech)
+            turn = SpeechTurn(listener, complete_s=gather.complete_timeout,
                               incomplete_s=gather.incomplete_timeout,
                               max_speech_s=gather.max_speech)
             # From the prompt's start: speech during it barges in and is the answer.
-            self.call.listen(session)
+            self.call.listen(listener)
         try:
             return await self._answer(gather, retry, turn)
         except RecognizerError as exc:
