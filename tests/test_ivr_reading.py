@@ -308,7 +308,7 @@ async def test_cases_check_the_words_a_caller_hears(script: Script, tmp_path: Pa
 
 
 def test_script_test_takes_a_line_of_a_lines_file(tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     path = _lines(tmp_path, "    lexicon: [{text: Acme, say: Ack-mee}]\n")
     cases = tmp_path / "acme.cases.yaml"
     cases.write_text("cases:\n  - name: the line's words\n"

@@ -62,7 +62,7 @@ def _session(idle_s: float) -> tuple[TwilioStream, _ScriptedSocket, Metrics, Vir
                               dialogs=_NoDialogs(), clock=clock, metrics=metrics)
     socket = _ScriptedSocket()
     session = TwilioStream(socket, lifecycle, TwilioConfig(idle_timeout_s=idle_s),  # type: ignore[arg-type]
-                            Outcomes(), metrics)
+                           Outcomes(), metrics)
     return session, socket, metrics, clock
 
 
