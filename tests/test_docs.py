@@ -103,7 +103,7 @@ def test_the_site_builds_with_strict(tmp_path: Path) -> None:
     """mkdocs build --strict: a broken link or anchor, a page missing from the nav, an include
     whose file is gone or a setting without a description fails it."""
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
                            "-d", str(tmp_path / "site")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
