@@ -110,3 +110,17 @@ def test_the_site_builds_with_strict(tmp_path: Path) -> None:
     reference = (tmp_path / "site" / "operators" / "configuration" / "index.html").read_text()
     for name in Settings.model_fields:
         assert f"GATEWAY_{name.upper()}" in reference, name
+
+
+def test_the_script_test_pages_case_passes(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The case shown on docs/authors/testing.md is a real one: it passes against the demo."""
+    from gateway.cli import main
+
+    page = (ROOT / "docs" / "authors" / "testing.md").read_text()
+    block = page.split("```yaml", 1)[1].split("```", 1)[0]
+    cases = tmp_path / "cases.yaml"
+    cases.write_text(block)
+    code = main(["prompts", "test", str(ROOT / "prompts" / "demo.yaml"), str(cases)])
+    out = capsys.readouterr()
+    assert code == 0, out.out + out.err
