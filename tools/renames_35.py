@@ -275,8 +275,45 @@ class Step:
     triggers: tuple[str, ...] = ()
 
 
+def api_members(text: str, modules: tuple[str, ...], names: dict[str, str]) -> str:
+    """In documentation: ``module.Name`` references, and the ``- Name`` members listed under a
+    mkdocstrings ``::: module`` block, renamed for the given modules only."""
+    for module in modules:
+        for old, new in names.items():
+            text = sub_lines(text, rf"\b{re.escape(module)}\.{old}\b", f"{module}.{new}")
+    lines = text.splitlines(keepends=True)
+    current: str | None = None
+    for i, line in enumerate(lines):
+        block = re.match(r"\s*::: *([\w.]+)", line)
+        if block:
+            current = block.group(1)
+        elif line.strip() and not line[0].isspace():
+            current = None
+        elif current in modules and not _kept(line):
+            lines[i] = re.sub(r"^(\s*- +)(\w+)\s*$",
+                              lambda m: m.group(1) + names.get(m.group(2), m.group(2)) + "\n"
+                              if m.group(2) in names else m.group(0), line)
+    return "".join(lines)
+
+
+_EVENTS = {"Hangup": "CallerHungUp", "HangUp": "EndCall"}
+
+
 def _events_py(path: str, text: str) -> str:
-    return rename_tokens(text, {"Hangup": "CallerHungUp", "HangUp": "EndCall"})
+    return rename_tokens(text, _EVENTS)
+
+
+def _events_doc(path: str, text: str) -> str:
+    return api_members(text, ("gateway.call.events", "gateway.call"), _EVENTS)
+
+
+def _playout_doc(path: str, text: str) -> str:
+    return api_members(text, ("gateway.call.playout",), {"Speaker": "FrameOwner"})
+
+
+def _voices_doc(path: str, text: str) -> str:
+    text = api_members(text, ("gateway.speech",), {"Voice": "SpeechVoice"})
+    return api_members(text, ("gateway.ivr.script",), {"Voice": "ScriptVoice"})
 
 
 def _playout_py(path: str, text: str) -> str:
@@ -308,8 +345,9 @@ _VERBS = r"(validate|graph|test|render)"
 
 
 def _script_cli_any(path: str, text: str) -> str:
-    text = sub_lines(text, rf"\b(gateway|run\.sh) prompts {_VERBS}\b", r"\1 script \2")
-    text = sub_lines(text, rf"(`+)prompts {_VERBS}\b", r"\1script \2")
+    # (A command may be wrapped across lines in prose.)
+    text = sub_text(text, rf"\b(gateway|run\.sh)(\s+)prompts(\s+){_VERBS}\b", r"\1\2script\3\4")
+    text = sub_text(text, rf"(`+)prompts(\s+){_VERBS}\b", r"\1script\2\3")
     text = sub_lines(text, r"gateway\\s\+prompts\\s\+", r"gateway\\s+script\\s+")
     text = sub_lines(text, r"\(demo, call, say, prompts, loadsim",
                      "(demo, call, say, script, loadsim")
@@ -399,14 +437,14 @@ def _listener_py(path: str, text: str) -> str:
 
 STEPS = [
     Step("events", "call events vs outcomes: Hangup -> CallerHungUp, HangUp -> EndCall",
-         python=_events_py,
+         python=_events_py, text=_events_doc,
          triggers=("Hangup", "HangUp")),
     Step("playout-owner", "gateway.call.playout.Speaker -> FrameOwner (speaker -> owner there)",
-         python=_playout_py,
+         python=_playout_py, text=_playout_doc,
          triggers=("gateway.call.playout", "class Speaker(Protocol)")),
     Step("voices", "gateway.speech.Voice -> SpeechVoice, gateway.ivr.script.Voice -> ScriptVoice",
-         python=_voices_py,
-         triggers=("gateway.speech", "gateway.ivr.script", "class Voice")),
+         python=_voices_py, text=_voices_doc,
+         triggers=("gateway.speech", "gateway.ivr.script", "class Voice", "- Voice")),
     Step("greeter", "gateway/demo.py -> gateway/greeter.py", python=_greeter_any,
          text=_greeter_any, moves=[("gateway/demo.py", "gateway/greeter.py")],
          triggers=("gateway.demo", "gateway/demo.py")),
