@@ -131,7 +131,7 @@ class Settings(BaseSettings):
         3000, ge=0, le=600000,
         description="Watchdog: an engine that shows no progress (no batched step, prefill chunk or "
         "chunk decode finishing) for this long fails the turns it holds and their callers hear the "
-        "script's error prompt; the engine leaves rotation (`gateway_tts_slots_healthy` drops, "
+        "script's error prompt; the engine leaves rotation (`gateway_tts_engines_healthy` drops, "
         "`gateway_tts_stuck_steps_total` rises) until the stuck step returns, then is rebuilt. A "
         "thread cannot be killed: a step that never returns keeps its engine out. Steps take "
         "milliseconds on a GPU and ~10-30 ms for the tiny model on a CPU; the 0.6B model on a "

@@ -121,6 +121,6 @@ def test_the_script_test_pages_case_passes(tmp_path: Path,
     block = page.split("```yaml", 1)[1].split("```", 1)[0]
     cases = tmp_path / "cases.yaml"
     cases.write_text(block)
-    code = main(["prompts", "test", str(ROOT / "prompts" / "demo.yaml"), str(cases)])
+    code = main(["script", "test", str(ROOT / "prompts" / "demo.yaml"), str(cases)])
     out = capsys.readouterr()
     assert code == 0, out.out + out.err
