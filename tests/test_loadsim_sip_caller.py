@@ -1,9 +1,11 @@
 """The load simulator's SIP caller (gateway.loadsim.sip_caller), built on gateway.sip.
 
 Against a real peer (baresip auto-answering on loopback, tests/sip_peers.py) for what a phone
-sees; against a scripted UDP peer for the exact RFC 3261 timers and RTP/RFC 4733 wire format;
-and sans-I/O for the receive analysis (jitter, loss, speech timing, the playout model) and the
-pacing measurement on a virtual clock.
+sees; against a scripted UDP peer on virtual time (real sockets in a
+:class:`virtual_time.VirtualTimeLoop`) for the exact RFC 3261 timers and RTP/RFC 4733 wire
+format; and sans-I/O for the receive analysis (jitter, loss, speech timing, the playout model)
+and the pacing measurement on a virtual clock. The SIP client core itself is tested message by
+message in test_sip_uac.py.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import asyncio
 import itertools
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
+from clocks import LoopClock, until
+from conftest import virtual_loop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sip_peers import Baresip
@@ -37,7 +41,6 @@ from gateway.sip.message import SipParseError, SipResponse, parse_message
 from gateway.sip.rtp import RtpError, RtpPacket, seq_diff, ts_diff
 from gateway.sip.sdp import SdpError
 
-T = TypeVar("T")
 RATE = 8000
 
 
@@ -58,16 +61,6 @@ def bursts_wav() -> np.ndarray:
 def ulaw_frames(pcm: np.ndarray) -> list[bytes]:
     codes = ulaw_encode(pcm)
     return [codes[i : i + FRAME_SAMPLES] for i in range(0, len(codes), FRAME_SAMPLES)]
-
-
-async def until(probe: Callable[[], T | None], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value is not None:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 async def event(phone: Baresip, kind: str, timeout: float = 5) -> dict[str, Any]:
@@ -140,14 +133,14 @@ async def test_baresip_hangs_up_first(tmp_path: Path) -> None:
         async with SipCaller() as caller:
             await caller.call(("127.0.0.1", phone.sip_port), user="tester", timeout_s=5)
             await event(phone, "CALL_ESTABLISHED")
-            await asyncio.sleep(0.2)
+            await until(lambda: caller.rtp.packets, 3, "baresip's RTP")
             asked = time.monotonic()
             phone.hangup()
             hung_up = await until(lambda: caller.remote_hangup_at, 3, "baresip's BYE")
             assert 0 < hung_up - asked < 1
             await event(phone, "CALL_CLOSED")
             sent = caller.packets_sent
-            await asyncio.sleep(0.1)
+            await until(lambda: not caller.sending, 1, "our media to stop")
             assert caller.packets_sent == sent  # our media stopped with the BYE
             assert await caller.hangup() is None  # nothing left to end
             assert caller.requests_received == {"BYE": 1}
@@ -175,16 +168,26 @@ async def test_rejected_call_fails_clearly_and_is_acked(tmp_path: Path) -> None:
             with pytest.raises(CallFailed) as failed:
                 await caller.call(("127.0.0.1", phone.sip_port), user="nobody", timeout_s=5)
             assert failed.value.status == caller.status == 404
-            await asyncio.sleep(1.2)  # baresip retransmits its 404 at +0.5 s unless ACKed
+            # baresip retransmits its 404 at +0.5 s unless ACKed: what did not happen can only
+            # be seen by waiting past it (on virtual time, test_sip_uac checks the ACK itself).
+            await asyncio.sleep(1.2)
             assert caller.final_retransmits == 0, caller.errors
             assert caller.errors == []
 
 
-# --- against a scripted peer: exact timers and wire format ----------------------------------------
+# --- against a scripted peer on virtual time: exact timers and wire format ------------------------
+
+
+def on_virtual_time(main: Callable[[LoopClock], Coroutine[Any, Any, None]]) -> None:
+    """Run ``main(clock)`` in a virtual-time loop: real UDP sockets, the loop's clock jumping
+    to its next timer whenever everything waits, so a peer that waits a second to see that
+    nothing comes costs no real time, and every interval is exact."""
+    with virtual_loop() as loop:
+        loop.run_until_complete(main(LoopClock(loop)))
 
 
 class Udp(asyncio.DatagramProtocol):
-    """A test-side UDP socket on 127.0.0.1 with an arrival-timestamped receive queue."""
+    """A test-side UDP socket on 127.0.0.1 with an arrival-timestamped (loop time) queue."""
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[tuple[bytes, tuple[str, int], float]] = asyncio.Queue()
@@ -200,7 +203,7 @@ class Udp(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        self.queue.put_nowait((data, addr, time.monotonic()))
+        self.queue.put_nowait((data, addr, asyncio.get_running_loop().time()))
 
     @property
     def port(self) -> int:
@@ -259,9 +262,14 @@ def rtp_fields(data: bytes) -> tuple[bool, int, int, int, int, bytes]:
     return bool(b1 & 0x80), b1 & 0x7F, seq, ts, ssrc, data[12:]
 
 
-async def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
+def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
+    on_virtual_time(_timers_acks_rtp_and_dtmf_on_the_wire)
+
+
+async def _timers_acks_rtp_and_dtmf_on_the_wire(clock: LoopClock) -> None:
     uas, media = await Udp.open(), await Udp.open()
-    caller = SipCaller(t1=0.2)  # Timer A: +0.2 s, +0.6 s, +1.4 s... (T1 = 500 ms by default)
+    # Timer A: +0.2 s, +0.6 s, +1.4 s... (T1 = 500 ms by default)
+    caller = SipCaller(t1=0.2, clock=clock)
     try:
         call = asyncio.create_task(caller.call(("127.0.0.1", uas.port), user="ivr", timeout_s=8))
         invites = [await uas.recv() for _ in range(3)]  # unanswered
@@ -319,6 +327,7 @@ async def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
             seen.append(rtp_fields((await media.recv())[0]))
         seen.append(rtp_fields((await media.recv())[0]))  # the audio that resumes
         pressed = await dtmf
+        assert pressed < clock.now()
         first = next(i for i, p in enumerate(seen) if p[1] == 101)
         events, resumed = seen[first:-1], seen[-1]
         assert events[0][0] and not any(p[0] for p in events[1:])  # marker on the start only
@@ -363,9 +372,13 @@ async def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
         media.close()
 
 
-async def test_setup_timeout_after_ringing_cancels_and_acks_the_487() -> None:
+def test_setup_timeout_after_ringing_cancels_and_acks_the_487() -> None:
+    on_virtual_time(_setup_timeout_after_ringing_cancels_and_acks_the_487)
+
+
+async def _setup_timeout_after_ringing_cancels_and_acks_the_487(clock: LoopClock) -> None:
     uas = await Udp.open()
-    caller = SipCaller()
+    caller = SipCaller(clock=clock)
     try:
         call = asyncio.create_task(caller.call(("127.0.0.1", uas.port), user="ivr", timeout_s=1))
         data, source, _ = await uas.recv()

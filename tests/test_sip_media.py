@@ -136,7 +136,7 @@ def test_on_hold_nothing_is_lost_nor_played_and_rtp_time_runs_on() -> None:
     async def scenario(endpoint: SipEndpoint, metrics: Metrics, dialog: Playing) -> None:
         assert endpoint.local_addr is not None
         loop = asyncio.get_running_loop()
-        async with SipCaller(clock=loop.time, t1=0.1) as phone:
+        async with SipCaller(clock=LoopClock(loop), t1=0.1) as phone:
             packets = _capture(phone)
             await phone.call(endpoint.local_addr, user="ivr")
             prompt = await until(lambda: dialog.utterances and dialog.utterances[0])
@@ -188,7 +188,7 @@ def test_a_whole_prompt_is_fed_to_the_wire_as_it_plays_not_queued() -> None:
     async def scenario(endpoint: SipEndpoint, metrics: Metrics, dialog: Playing) -> None:
         assert endpoint.local_addr is not None
         loop = asyncio.get_running_loop()
-        async with SipCaller(clock=loop.time, t1=0.1) as phone:
+        async with SipCaller(clock=LoopClock(loop), t1=0.1) as phone:
             packets = _capture(phone)
             await phone.call(endpoint.local_addr, user="ivr")
             prompt = await until(lambda: dialog.utterances and dialog.utterances[0])
@@ -221,7 +221,7 @@ def test_an_rtp_flood_is_dropped_unread_and_counted_and_a_normal_stream_never_is
     async def scenario(endpoint: SipEndpoint, metrics: Metrics, dialog: Playing) -> None:
         assert endpoint.local_addr is not None
         loop = asyncio.get_running_loop()
-        async with SipCaller(clock=loop.time, t1=0.1) as phone:
+        async with SipCaller(clock=LoopClock(loop), t1=0.1) as phone:
             await phone.call(endpoint.local_addr, user="ivr")
             media = await until(lambda: endpoint.media and _media(endpoint))
             await asyncio.sleep(5.0)
@@ -258,7 +258,7 @@ def test_a_call_keeps_its_latest_digits_and_counts_them_all() -> None:
     async def scenario(endpoint: SipEndpoint, metrics: Metrics, dialog: Playing) -> None:
         assert endpoint.local_addr is not None
         loop = asyncio.get_running_loop()
-        async with SipCaller(clock=loop.time, t1=0.1) as phone:
+        async with SipCaller(clock=LoopClock(loop), t1=0.1) as phone:
             await phone.call(endpoint.local_addr, user="ivr")
             media = await until(lambda: endpoint.media and _media(endpoint))
             for key in keys:
