@@ -764,3 +764,20 @@ def _ringing_only(gateway: Gateway) -> Callable[[list[Any]], None]:
         original(gateway, kept)
 
     return apply
+
+
+def test_the_core_does_no_io_of_its_own() -> None:
+    """Sans-I/O (STYLE.md 1, 8): no socket, no event loop, no clock but the injected one."""
+    import ast
+    from pathlib import Path
+
+    import gateway.sip.uac as module
+
+    tree = ast.parse(Path(module.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom)}
+    assert not imported & {"asyncio", "socket", "selectors", "threading", "time"}, imported
+    calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    assert not {c for c in calls if c.startswith(("time.", "asyncio.", "loop."))}
