@@ -196,8 +196,14 @@ class SipCaller:
         silence_threshold: int = SILENCE_THRESHOLD,
         rng: random.Random | None = None,
         on_audio: Callable[[float, bytes, bool], None] | None = None,
+        username: str | None = None,
+        password: str = "",
     ) -> None:
         self.caller_id = caller_id
+        #: Digest credentials for a gateway or trunk that challenges (401/407); None: a
+        #: challenge fails the call.
+        self.username = username
+        self._password = password
         #: Told of every audio packet received, in arrival order: (arrival, mu-law payload,
         #: marker bit). The softphone plays from it; the load simulator leaves it unset.
         self.on_audio = on_audio
@@ -323,7 +329,8 @@ class SipCaller:
         assert self.local_sip is not None and self.local_rtp is not None
         core = self._core = UacCore(
             UacConfig(local_ip, self.local_sip[1], self.local_rtp[1], caller_id=self.caller_id,
-                      t1=self.t1, user_agent=_USER_AGENT, sdp_name="loadsim"),
+                      t1=self.t1, user_agent=_USER_AGENT, username=self.username,
+                      password=self._password, sdp_name="loadsim"),
             self._clock)
         self._timers = Timers(self._clock, lambda timer: self._pump(core.timer_fired(timer)))
         self.invite_sent_at = self._clock.now()
