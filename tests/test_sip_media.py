@@ -279,8 +279,8 @@ def test_a_gateway_that_asks_for_credentials_gets_them_from_the_phone() -> None:
         assert endpoint.local_addr is not None
         loop = asyncio.get_running_loop()
         clock = LoopClock(loop)
-        endpoint.core.config.authenticator = DigestAuthenticator(
-            "ivr", {"trunk": "s3cret"}, b"k" * 32, clock=clock.now)
+        endpoint.core.config.authenticator = DigestAuthenticator("ivr", {"trunk": "s3cret"},
+                                                                 b"k" * 32)
         async with SipCaller(clock=clock, t1=0.1) as stranger:
             with pytest.raises(CallFailed) as failed:
                 await stranger.call(endpoint.local_addr, user="ivr")
