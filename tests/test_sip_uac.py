@@ -50,6 +50,7 @@ from gateway.sip.uac import (
     UacError,
 )
 from gateway.sip.uas import (
+    AdmissionQuestion,
     CallAnswered,
     CallConfirmed,
     CallEnded,
@@ -615,9 +616,11 @@ class Gateway:
     """:class:`UasCore` with its shell's duties done in memory: timers from ``next_deadline``
     on the same virtual clock, every INVITE answered at once (media on port 30000)."""
 
-    def __init__(self, clock: VirtualClock, **config: Any) -> None:
+    def __init__(self, clock: VirtualClock, admission: AdmissionQuestion | None = None,
+                 **config: Any) -> None:
         self.clock = clock
-        self.core = UasCore(UasConfig(local_ip=PEER[0], local_port=PEER[1], t1=T1, **config))
+        self.core = UasCore(UasConfig(local_ip=PEER[0], local_port=PEER[1], t1=T1, **config),
+                            admission=admission)
         self.events: list[Any] = []
         self.network: Callable[[bytes, tuple[str, int]], None] | None = None
         self._tick: Any = None
