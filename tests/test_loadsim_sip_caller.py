@@ -3,15 +3,16 @@
 Against a real peer (baresip auto-answering on loopback, tests/sip_peers.py) for what a phone
 sees; against a scripted UDP peer on virtual time (real sockets in a
 :class:`virtual_time.VirtualTimeLoop`) for the exact RFC 3261 timers and RTP/RFC 4733 wire
-format; and sans-I/O for the receive analysis (jitter, loss, speech timing, the playout model)
-and the pacing measurement on a virtual clock. The SIP client core itself is tested message by
-message in test_sip_uac.py.
+format, and for the RTP pacing (the gateway's one Pacer on the phone's clock); sans-I/O for the
+receive analysis (jitter, loss, speech timing, the playout model). The SIP client core itself is
+tested message by message in test_sip_uac.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import struct
 import time
 from collections.abc import Callable, Coroutine
@@ -27,11 +28,12 @@ from hypothesis import strategies as st
 from sip_peers import Baresip
 
 from gateway.audio.g711 import ulaw_encode
+from gateway.loadsim.rtp_out import DtmfKey, OutboundStream
 from gateway.loadsim.sip_caller import (
     FRAME_SAMPLES,
     CallFailed,
     CallTimeout,
-    FramePacer,
+    PacingStats,
     RtpReceiveLog,
     SipCaller,
     is_silent,
@@ -40,6 +42,7 @@ from gateway.loadsim.sip_caller import (
 from gateway.sip.message import SipParseError, SipResponse, parse_message
 from gateway.sip.rtp import RtpError, RtpPacket, seq_diff, ts_diff
 from gateway.sip.sdp import SdpError
+from gateway.sip.uac import MediaPlan
 
 RATE = 8000
 
@@ -510,31 +513,102 @@ def test_idle_fill_inside_an_utterance_is_a_dropout_the_caller_hears() -> None:
     assert stats.gaps == 1 and stats.gap_ms == pytest.approx(40 + 60, abs=0.01)
 
 
-# --- sans-I/O: pacing ---------------------------------------------------------------------------
+# --- pacing: the gateway's one Pacer on the phone's clock ----------------------------------------
 
 
-async def test_pacer_measures_lateness_against_fixed_deadlines() -> None:
-    now = [1000.0]
-    overshoot = iter([0.0, 0.0012, 0.0, 0.025, 0.0003, 0.0, 0.0])
-    slept: list[float] = []
+class LateClock(LoopClock):
+    """The loop's clock whose sleeps overshoot as a busy machine's do: by ``overshoots`` in
+    turn, then not at all."""
 
-    async def sleep(delay: float) -> None:
-        slept.append(delay)
-        now[0] += delay + next(overshoot)
+    def __init__(self, loop: asyncio.AbstractEventLoop, overshoots: list[float]) -> None:
+        super().__init__(loop)
+        self._overshoots = itertools.chain(overshoots, itertools.repeat(0.0))
 
-    pacer = FramePacer(clock=lambda: now[0], sleep=sleep)
-    pacer.start()
-    woke = [await pacer.next() for _ in range(8)]
-    lateness = list(pacer.stats.lateness_ms)
-    # deadline n is 1000 + 0.02 n; the 25 ms stall makes deadline 5 already due (5 ms late).
-    assert lateness == pytest.approx([0, 0, 1.2, 0, 25, 5, 0.3, 0], abs=1e-6)
-    assert woke[-1] == pytest.approx(1000 + 0.02 * 7)  # no drift after the stall
-    assert len(slept) == 6
-    assert pacer.stats.histogram((1, 10)) == [("<1ms", 5), ("1-10ms", 2), (">=10ms", 1)]
-    assert pacer.stats.max_ms == pytest.approx(25)
-    assert pacer.stats.percentile(50) == 0  # nearest rank: the 4th of 8
-    assert pacer.stats.percentile(75) == pytest.approx(1.2)
-    assert pacer.stats.percentile(100) == pytest.approx(25)
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds) + next(self._overshoots))
+
+
+def test_rtp_is_paced_on_fixed_deadlines_and_a_stall_is_caught_up_not_reanchored() -> None:
+    """The phone's sends keep ``t0 + n * 20 ms`` on its injected clock: oversleeping shows as
+    lateness, a 125 ms stall (over 5 frames) sends the missed beats back-to-back, as a sound
+    card that kept producing samples does, instead of re-anchoring the stream later."""
+    with virtual_loop() as loop:
+        loop.run_until_complete(_paced(LateClock(loop, [0.0, 0.0012, 0.0, 0.125, 0.0003])))
+
+
+async def _paced(clock: LateClock) -> None:
+    uas, media = await Udp.open(), await Udp.open()
+    caller = SipCaller(clock=clock)
+    try:
+        call = asyncio.create_task(caller.call(("127.0.0.1", uas.port), user="ivr"))
+        data, source, _ = await uas.recv()
+        _, invite, _ = parse_sip(data)
+        uas.send(reply(invite, "200 OK", to_tag="p", body=answer_sdp(media.port),
+                       extra=(f"Contact: <sip:ivr@127.0.0.1:{uas.port}>",
+                              "Content-Type: application/sdp")), source)
+        await uas.recv()  # the ACK
+        await call
+        packets = [rtp_fields((await media.recv())[0]) for _ in range(13)]
+        # Deadline n is t0 + 0.02 n: 1.2 ms overslept at beat 2; beat 4 wakes 125 ms late, so
+        # beats 5..10 are already due (105 ... 5 ms late) and go at once; 0.3 ms at beat 11.
+        lateness = list(caller.pacing.lateness_ms)[:13]
+        assert lateness == pytest.approx([0, 0, 1.2, 0, 125, 105, 85, 65, 45, 25, 5, 0.3, 0],
+                                         abs=1e-4)  # float error on the loop's time
+        assert caller.pacer.reanchors == 0 and caller.pacing.max_ms == pytest.approx(125)
+        # Every beat of the sampling clock went out: consecutive sequence numbers, timestamps
+        # 160 samples apart, the stall not skipped.
+        assert all(seq_diff(b[2], a[2]) == 1 for a, b in itertools.pairwise(packets))
+        assert all(ts_diff(b[3], a[3]) == 160 for a, b in itertools.pairwise(packets))
+        assert caller.errors == []
+    finally:
+        await caller.aclose()
+        uas.close()
+        media.close()
+
+
+def test_outbound_stream_keeps_one_timeline_through_dtmf_and_hold() -> None:
+    """Sans-I/O: every beat advances the sampling clock; a key's packets carry its start
+    timestamp under PT 101; beats on hold send nothing and take no sequence number, and the
+    first packet after them opens a talkspurt."""
+    done: list[float | None] = []
+    stream = OutboundStream(rng=random.Random(7))
+    stream.apply(MediaPlan(("127.0.0.1", 4000), 0, 101, True))
+    ts0, seq0 = stream.rtp.timestamp, stream.rtp.sequence
+    sent = [stream.tick(0.02 * n) for n in range(2)]
+    stream.press(DtmfKey.press("9", 40, done.append))
+    sent += [stream.tick(0.02 * n) for n in range(2, 8)]
+    stream.apply(MediaPlan(("127.0.0.1", 4000), 0, 101, False))  # on hold
+    assert [stream.tick(0.02 * n) for n in range(8, 11)] == [None] * 3
+    stream.apply(MediaPlan(("127.0.0.1", 4000), 0, 101, True))
+    sent.append(stream.tick(0.22))
+    packets = [RtpPacket.parse(p) for p in sent if p is not None]
+    assert len(packets) == 9
+    # A 40 ms key: an update, then its final packet three times (RFC 4733 2.5.1.4).
+    assert [p.payload_type for p in packets] == [0, 0] + [101] * 4 + [0, 0, 0]
+    assert [p.marker for p in packets] == [True, False, True] + [False] * 5 + [True]
+    assert [p.sequence for p in packets] == [(seq0 + n) % 65536 for n in range(9)]
+    assert [ts_diff(p.timestamp, ts0) for p in packets] == \
+        [0, 160] + [320] * 4 + [6 * 160, 7 * 160, 11 * 160]
+    events = [struct.unpack("!BBH", p.payload) for p in packets[2:6]]
+    assert [(code, flags >> 7, duration) for code, flags, duration in events] == \
+        [(9, 0, 160), (9, 1, 320), (9, 1, 320), (9, 1, 320)]
+    assert DtmfKey.press("9", 40, done.append).packets == 4
+    assert done == [0.04]  # the key's first packet went out at beat 2
+    assert stream.rtp.packets_sent == 9
+
+
+def test_pacing_stats_summarise_lateness() -> None:
+    stats = PacingStats()
+    for lateness_s in (0, 0, 0.0012, 0, 0.025, 0.005, 0.0003, 0):
+        stats.record(lateness_s)
+    assert len(stats) == 8
+    assert stats.histogram((1, 10)) == [("<1ms", 5), ("1-10ms", 2), (">=10ms", 1)]
+    assert stats.max_ms == pytest.approx(25)
+    assert stats.mean_ms == pytest.approx((1.2 + 25 + 5 + 0.3) / 8)
+    assert stats.percentile(50) == 0  # nearest rank: the 4th of 8
+    assert stats.percentile(75) == pytest.approx(1.2)
+    assert stats.percentile(100) == pytest.approx(25)
+    assert PacingStats().percentile(50) == 0 and PacingStats().max_ms == 0
 
 
 # --- the gateway's parsers, as the phone uses them ------------------------------------------------

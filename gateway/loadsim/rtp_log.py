@@ -42,7 +42,18 @@ from dataclasses import dataclass
 from typing import Final
 
 from gateway.audio.g711 import ALAW_SILENCE, ULAW_SILENCE, ulaw_decode
-from gateway.sip.rtp import RtpError, RtpPacket, RtpReceiverStats, seq_add, seq_diff, ts_diff
+from gateway.audio.pacer import FRAME_S as PACER_FRAME_S
+from gateway.sip.rtp import (
+    PAYLOAD_TYPE_PCMA,
+    PAYLOAD_TYPE_PCMU,
+    SAMPLES_PER_FRAME,
+    RtpError,
+    RtpPacket,
+    RtpReceiverStats,
+    seq_add,
+    seq_diff,
+    ts_diff,
+)
 
 __all__ = [
     "CLOCK_RATE",
@@ -62,11 +73,11 @@ __all__ = [
 
 CLOCK_RATE: Final[int] = 8000
 """RTP clock of PCMU and telephone-event (RFC 3551 table 4, RFC 4733 section 2.1)."""
-FRAME_SAMPLES: Final[int] = 160
-"""Samples (= mu-law bytes) in one 20 ms frame."""
-FRAME_S: Final[float] = FRAME_SAMPLES / CLOCK_RATE
-PT_PCMU: Final[int] = 0
-PT_PCMA: Final[int] = 8
+FRAME_SAMPLES: Final[int] = SAMPLES_PER_FRAME
+"""Samples (= mu-law bytes) in one 20 ms frame (the gateway's RTP frame)."""
+FRAME_S: Final[float] = PACER_FRAME_S
+PT_PCMU: Final[int] = PAYLOAD_TYPE_PCMU
+PT_PCMA: Final[int] = PAYLOAD_TYPE_PCMA
 PT_TELEPHONE_EVENT: Final[int] = 101
 SILENCE_THRESHOLD: Final[int] = 128
 """A packet is silent when every decoded sample has ``|x| <=`` this (int16 scale)."""

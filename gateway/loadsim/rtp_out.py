@@ -1,5 +1,5 @@
-"""What a simulated phone sends: its RTP stream one 20 ms beat at a time (sans-I/O), and the
-deadlines it is sent on.
+"""What a simulated phone sends: its RTP stream one 20 ms beat at a time (sans-I/O), and how
+late each beat went out.
 
 :class:`OutboundStream` decides each beat's packet (RFC 3550/3551): 20 ms of PCMU from the frames
 being played, else silence (0xFF); an RFC 4733 telephone-event in place of audio while a key is
@@ -8,44 +8,40 @@ duration, then three end packets with the E bit, all carrying the event's start 
 the audio timeline advances under it. Random SSRC, sequence and timestamp bases, and the marker
 bit on the stream's first packet, come from :class:`~gateway.sip.rtp.RtpSender`; the timestamp
 is the sampling clock and advances every beat, sent or not (on hold), the sequence only with a
-packet sent (RFC 3550 5.1).
+packet sent (RFC 3550 5.1), and the first packet after beats not sent opens a talkspurt (the
+marker, RFC 3551 4.1). Every header is packed by that one sender, event packets included.
 
-:class:`FramePacer` waits for each beat's deadline on an injected clock (a schedule that never
-drifts, STYLE.md 5; never ``sleep(0.02)``) and records how late it woke (:class:`PacingStats`).
+The beats are paced by the gateway's one pacer, :class:`gateway.audio.pacer.Pacer`, on the
+phone's injected clock (a schedule that never drifts, STYLE.md 5; never ``sleep(0.02)``; the
+shell owns it); :class:`PacingStats` records how late each beat went out.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import math
 import random
-import time
 from array import array
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
 from gateway.audio.g711 import ULAW_SILENCE
-from gateway.audio.pacer import Pacer
-from gateway.loadsim.rtp_log import FRAME_S, FRAME_SAMPLES, PT_PCMU
-from gateway.sip.rtp import DIGIT_TO_EVENT, RtpPacket, RtpSender, TelephoneEvent, seq_add, ts_add
+from gateway.loadsim.rtp_log import FRAME_SAMPLES, PT_PCMU
+from gateway.sip.rtp import DIGIT_TO_EVENT, RtpSender, TelephoneEvent
 from gateway.sip.uac import MediaPlan
 
-__all__ = ["DTMF_END_PACKETS", "DtmfKey", "FramePacer", "OutboundStream", "PacingStats"]
+__all__ = ["DTMF_END_PACKETS", "DtmfKey", "OutboundStream", "PacingStats"]
 
 DTMF_END_PACKETS: Final[int] = 3
 """RFC 4733 section 2.5.1.4: the final packet of an event is sent three times."""
 _DTMF_VOLUME: Final[int] = 10  # -10 dBm0, the level RFC 4733 section 2.3.4 uses in examples
 _SILENT_FRAME: Final[bytes] = bytes([ULAW_SILENCE]) * FRAME_SAMPLES
-#: A phone's sound card keeps producing samples while the process stalls: the send schedule
-#: never re-anchors, late deadlines go out at once (Pacer's max_lag_frames, effectively off).
-_NEVER_REANCHOR: Final[int] = 1 << 30
 
 
-# --- pacing -----------------------------------------------------------------------------------
+# --- pacing statistics ----------------------------------------------------------------------------
 
 
 class PacingStats:
@@ -90,44 +86,6 @@ class PacingStats:
         return list(zip(labels, counts, strict=True))
 
 
-class FramePacer:
-    """Sleeps to the deadlines of :class:`gateway.audio.pacer.Pacer` (``t0 + n * frame_s``) on
-    an injected clock, and records each wake-up's lateness.
-
-    When a wake-up is late by more than a frame the following deadlines are already due and go
-    out at once (a sound card that kept producing samples while the process stalled); the
-    timeline never drifts and never re-anchors.
-    """
-
-    def __init__(
-        self,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
-        frame_s: float = FRAME_S,
-    ) -> None:
-        self.clock = clock
-        self.sleep = sleep
-        self.stats = PacingStats()
-        self._pacer = Pacer(clock, frame_s, max_lag_frames=_NEVER_REANCHOR)
-        self._started = False
-
-    def start(self, t0: float | None = None) -> None:
-        self._pacer.start(t0)
-        self._started = True
-
-    async def next(self) -> float:
-        """Wait for the next deadline; returns the time it woke up."""
-        if not self._started:
-            self.start()
-        deadline = self._pacer.next_deadline()
-        delay = deadline - self.clock()
-        if delay > 0:
-            await self.sleep(delay)
-        now = self.clock()
-        self.stats.record(now - deadline)
-        return now
-
-
 # --- the stream -------------------------------------------------------------------------------
 
 
@@ -159,8 +117,9 @@ class DtmfKey:
 
     @property
     def packets(self) -> int:
-        """Packets the key takes on the wire, end packets included."""
-        return (self.total + FRAME_SAMPLES - 1) // FRAME_SAMPLES + DTMF_END_PACKETS
+        """Packets the key takes on the wire: one a beat until its duration is covered, the
+        last of them the first of its end packets, then the end packet's repeats."""
+        return (self.total + FRAME_SAMPLES - 1) // FRAME_SAMPLES + DTMF_END_PACKETS - 1
 
     def payload(self, ts: int, now: float) -> tuple[bytes, int, bool]:
         """Payload, RTP timestamp and marker of the next packet of this event."""
@@ -219,28 +178,25 @@ class OutboundStream:
         return len(self._keys)
 
     def tick(self, now: float) -> bytes | None:
-        """This beat's packet (``now`` is when it goes out)."""
+        """This beat's packet (``now`` is when it goes out). A beat not sent (on hold) still
+        advances the sampling clock, and the next packet sent opens a talkspurt (marker)."""
         if self._key is None and self._keys:
             self._key = self._keys.popleft()
-        key = self._key
-        remote = self.remote if self.send else None
+        key, rtp = self._key, self.rtp
+        sending = self.remote is not None and self.send
         if key is not None and self.event_pt is not None:
-            payload, stamp, first = key.payload(self.rtp.timestamp, now)
-            packet = None
-            if remote is not None:
-                rtp = self.rtp
-                packet = RtpPacket(self.event_pt, rtp.sequence, stamp, rtp.ssrc, payload,
-                                   first).serialize()
-            self._advance(payload if packet is not None else None)
+            payload, stamp, first = key.payload(rtp.timestamp, now)
+            packet = rtp.packet(payload, payload_type=self.event_pt, timestamp=stamp,
+                                marker=first) if sending else None
             if key.finished:
                 self._key = None
                 key.on_done(key.first_at)
-            return packet
-        frame = self._next_frame(now)
-        if remote is not None:
-            return self.rtp.packet(frame)
-        self._advance(None)
-        return None
+        else:
+            frame = self._next_frame(now)
+            packet = rtp.packet(frame) if sending else None
+        if packet is None:
+            rtp.skip()
+        return packet
 
     def stop(self) -> None:
         """The stream ends: every key not yet sent is told so (``on_done(None)``)."""
@@ -266,13 +222,3 @@ class OutboundStream:
                                f"{FRAME_SAMPLES}")
                 return (bytes(frame) + _SILENT_FRAME)[:FRAME_SAMPLES]
         return _SILENT_FRAME
-
-    def _advance(self, sent: bytes | None) -> None:
-        """One beat of our stream: the timestamp always advances (it is the sampling clock),
-        the sequence number only for a packet sent (RFC 3550 5.1)."""
-        sender = self.rtp
-        sender.timestamp = ts_add(sender.timestamp, FRAME_SAMPLES)
-        if sent is not None:
-            sender.sequence = seq_add(sender.sequence, 1)
-            sender.packets_sent += 1
-            sender.octets_sent += len(sent)

@@ -3,13 +3,13 @@
 One SIP stack: the call's signalling is :class:`gateway.sip.uac.UacCore` (transactions, dialog,
 RFC 3261 timers, digest, CANCEL, in-dialog requests; checked against the gateway's own
 :class:`~gateway.sip.uas.UasCore` in memory and against real peers: baresip, SIPp, Kamailio),
-what it sends on RTP is :class:`gateway.loadsim.rtp_out.OutboundStream` paced by
-:class:`~gateway.loadsim.rtp_out.FramePacer`, and what it hears is logged and measured by
-:class:`gateway.loadsim.rtp_log.RtpReceiveLog` (whose docstring defines every measurement the
-simulator reports). This module only pumps: it binds the UDP sockets (SIP, and an even RTP port
-with RTCP on the next), feeds them to those objects, writes what they say to write, runs their
-timers on the injected clock, and turns their events into the measurements and awaitables
-below.
+what it sends on RTP is :class:`gateway.loadsim.rtp_out.OutboundStream` paced by the
+gateway's one :class:`~gateway.audio.pacer.Pacer` on the injected clock, and what it hears is
+logged and measured by :class:`gateway.loadsim.rtp_log.RtpReceiveLog` (whose docstring defines
+every measurement the simulator reports). This module only pumps: it binds the UDP sockets
+(SIP, and an even RTP port with RTCP on the next), feeds them to those objects, writes what
+they say to write, runs their timers and its pacer on the injected clock, and turns their
+events into the measurements and awaitables below.
 
 What a :class:`SipCaller` does, like a desk phone calling an IVR: INVITE with an SDP offer
 (PCMU/8000 on PT 0 and telephone-event/8000 on PT 101, ``fmtp 0-15``, ``ptime 20``,
@@ -43,6 +43,7 @@ import random
 from collections.abc import Callable, Iterable
 from typing import Final
 
+from gateway.audio.pacer import Pacer
 from gateway.clock import Clock, SystemClock
 from gateway.errors import GatewayError
 from gateway.loadsim.rtp_log import (
@@ -59,7 +60,7 @@ from gateway.loadsim.rtp_log import (
     StreamStats,
     is_silent,
 )
-from gateway.loadsim.rtp_out import DtmfKey, FramePacer, OutboundStream, PacingStats
+from gateway.loadsim.rtp_out import DtmfKey, OutboundStream, PacingStats
 from gateway.sip.rtp import RtpError, RtpPacket
 from gateway.sip.sdp import MediaAnswer, read_answer
 from gateway.sip.uac import (
@@ -101,7 +102,6 @@ __all__ = [
     "T2",
     "CallFailed",
     "CallTimeout",
-    "FramePacer",
     "LoadSimError",
     "MediaAnswer",
     "PacingStats",
@@ -209,7 +209,12 @@ class SipCaller:
         self.on_audio = on_audio
         self.t1 = t1
         self._clock: Clock = clock if clock is not None else SystemClock()
-        self.pacer = FramePacer(self._clock.now, self._clock.sleep)
+        #: Our RTP's send schedule, on the same clock as every measurement. It never
+        #: re-anchors: a phone's sound card keeps producing samples while the process stalls,
+        #: so deadlines that passed go out back-to-back and the timeline neither drifts nor
+        #: jumps; a stall shows as lateness in ``pacing``, not as a shifted stream.
+        self.pacer = Pacer(self._clock, FRAME_S, max_lag_frames=None)
+        self._pacing = PacingStats()
         self.rtp = RtpReceiveLog(silence_threshold=silence_threshold)
 
         self.invite_sent_at: float | None = None
@@ -281,7 +286,7 @@ class SipCaller:
     @property
     def pacing(self) -> PacingStats:
         """Scheduling lateness of every RTP packet sent (ms)."""
-        return self.pacer.stats
+        return self._pacing
 
     @property
     def sending(self) -> bool:
@@ -601,11 +606,14 @@ class SipCaller:
         """One packet per 20 ms deadline, as :class:`OutboundStream` says."""
         transport = self._rtp_transport
         assert transport is not None
-        pacer, stream = self.pacer, self._out
+        pacer, stream, clock, pacing = self.pacer, self._out, self._clock, self._pacing
         pacer.start()
         try:
             while True:
-                packet = stream.tick(await pacer.next())
+                due = await pacer.wait()
+                now = clock.now()
+                pacing.record(now - due)
+                packet = stream.tick(now)
                 if packet is not None and stream.remote is not None:
                     transport.sendto(packet, stream.remote)
         except Exception as exc:  # the sender dies loudly in errors, never silently
