@@ -75,5 +75,23 @@ def test_rejects_a_bad_schedule() -> None:
 def test_slower_than_real_time_keeps_the_schedule_for_throughput() -> None:
     clock = ManualClock(100.0)
     planner = ChunkPlanner((1, 2, 4, 8), clock=clock)
-    # 100 ms per 80 ms frame: gaps are unavoidable, shrinking would only add overhead.
-    assert _play(planner, clock, per_frame_s=0.1, chunks=5) == [1, 2, 4, 8, 8]
+    # 100 ms per 80 ms frame: gaps are unavoidable, shrinking would only add overhead. The
+    # second chunk is still one frame: a first chunk alone does not prove the device slow.
+    assert _play(planner, clock, per_frame_s=0.1, chunks=5) == [1, 1, 4, 8, 8]
+
+
+def test_a_slow_first_chunk_does_not_mark_a_fast_device_as_too_slow() -> None:
+    clock = ManualClock(100.0)
+    planner = ChunkPlanner((1, 2, 4, 8), clock=clock, safety_s=0.01)
+    # The first chunk waited 150 ms in the queue and the prefill (a busy batch); after it,
+    # frames come at 30 ms each (2.7x real time). Judged on the first chunk alone the device
+    # would look slower than real time and the second chunk would go out at 2 frames, 60 ms
+    # away with 80 ms of audio delivered; it must be 1 frame, then grow as the lead allows.
+    clock.t += 0.15
+    planner.chunk_done(planner.next_size())
+    sizes = _play(planner, clock, per_frame_s=0.03, chunks=6)
+    assert sizes[0] == 1
+    assert sizes[-1] == 8
+    # Once the second chunk has measured the pace, the prefill is forgotten: the lead (not
+    # the 150 ms first chunk) sets the third chunk, so it grows past one frame.
+    assert sizes[1] > 1

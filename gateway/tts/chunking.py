@@ -57,9 +57,12 @@ class ChunkPlanner:
         size = self.schedule[min(self._index, len(self.schedule) - 1)]
         if not self.adaptive or self._per_frame is None or self._per_frame <= 0:
             return size
-        if self._per_frame >= FRAME_S:
+        if self._per_frame >= FRAME_S and self._index > 1:
             # Slower than real time: no chunk size avoids the gaps, and small chunks only add
-            # per-chunk decode overhead. Keep the schedule's size for throughput.
+            # per-chunk decode overhead. Keep the schedule's size for throughput. Not judged on
+            # the first chunk alone: its cost holds the queue wait and the prefill, and a busy
+            # device that makes frames at twice real time would be taken for one that cannot
+            # keep up, its second chunk sent at full size into a gap.
             return size
         fit = math.floor((self.lead_s() - self.safety_s) / self._per_frame)
         return max(1, min(size, fit))
@@ -71,10 +74,13 @@ class ChunkPlanner:
             self._origin = now
         if self._last is not None and frames > 0:
             cost = (now - self._last) / frames
-            # Smooth, but let a slowdown show at once: a gap costs more than a small chunk.
-            self._per_frame = cost if self._per_frame is None else max(
-                cost, 0.5 * self._per_frame + 0.5 * cost
-            )
+            if self._per_frame is None or self._index == 1:
+                # The first chunk's cost (queue wait and prefill included) sizes the second
+                # chunk only; the second chunk's is the first measure of the steady pace.
+                self._per_frame = cost
+            else:
+                # Smooth, but let a slowdown show at once: a gap costs more than a small chunk.
+                self._per_frame = max(cost, 0.5 * self._per_frame + 0.5 * cost)
         self._last = now
         self._frames_done += frames
         self._index += 1
