@@ -473,8 +473,8 @@ def test_sender_packs_an_event_on_its_own_terms_in_the_same_stream() -> None:
     marker, one sequence number per packet, while the sampling clock advances under it; the
     pending talkspurt marker waits for the next packet without its own."""
     sender = RtpSender(0, ssrc=9, initial_sequence=65535, initial_timestamp=TS_MOD - 160)
-    event = [RtpPacket.parse(sender.packet(b"\x05\x0a\x00\xa0", payload_type=101,
-                                           timestamp=TS_MOD - 160, marker=n == 0))
+    event = [RtpPacket.parse(sender.event_packet(b"\x05\x0a\x00\xa0", 101, TS_MOD - 160,
+                                                 n == 0))
              for n in range(3)]
     audio = RtpPacket.parse(sender.packet(b"\xff" * 160))
     assert [p.payload_type for p in event] == [101] * 3 and audio.payload_type == 0
@@ -485,7 +485,7 @@ def test_sender_packs_an_event_on_its_own_terms_in_the_same_stream() -> None:
     assert audio.timestamp == TS_MOD - 160 + 3 * 160 - TS_MOD  # the clock ran under the event
     assert (sender.packets_sent, sender.octets_sent) == (4, 3 * 4 + 160)
     with pytest.raises(RtpError, match="payload type 128"):
-        sender.packet(b"", payload_type=128)
+        sender.event_packet(b"", 128, 0, True)
     assert sender.sequence == 3  # the refused packet took no sequence number
 
 

@@ -186,8 +186,7 @@ class OutboundStream:
         sending = self.remote is not None and self.send
         if key is not None and self.event_pt is not None:
             payload, stamp, first = key.payload(rtp.timestamp, now)
-            packet = rtp.packet(payload, payload_type=self.event_pt, timestamp=stamp,
-                                marker=first) if sending else None
+            packet = rtp.event_packet(payload, self.event_pt, stamp, first) if sending else None
             if key.finished:
                 self._key = None
                 key.on_done(key.first_at)

@@ -514,31 +514,28 @@ class RtpSender:
             self.timestamp = ts_add(self.timestamp, frames * self.samples_per_frame)
             self._marker = True
 
-    def packet(
-        self,
-        payload: bytes,
-        *,
-        payload_type: int | None = None,
-        timestamp: int | None = None,
-        marker: bool | None = None,
-    ) -> bytes:
-        """Serialized RTP packet carrying one frame's ``payload``; advances sequence/timestamp.
+    def packet(self, payload: bytes) -> bytes:
+        """Serialized RTP packet carrying one frame's ``payload``; advances sequence/timestamp."""
+        second = self.payload_type
+        if self._marker:
+            second |= _MARKER_BIT
+            self._marker = False
+        return self._emit(second, self.timestamp, payload)
 
-        ``payload_type``, ``timestamp`` and ``marker`` set this one packet's header fields for
-        a payload that rides in the stream on its own terms: an RFC 4733 event has its own
-        payload type, and keeps its start timestamp in every packet, with the marker on its
-        first only (RFC 4733 2.5.1), while the stream's sampling clock advances under it. A
-        given ``marker`` leaves a pending talkspurt marker for the next packet without one.
-        """
-        if payload_type is None:
-            payload_type = self.payload_type
-        elif not 0 <= payload_type <= MAX_PAYLOAD_TYPE:
+    def event_packet(self, payload: bytes, payload_type: int, timestamp: int,
+                     marker: bool) -> bytes:
+        """Serialized packet of a payload that rides in the stream on its own terms: an RFC 4733
+        event has its own payload type and keeps its start ``timestamp`` in every packet, with
+        the ``marker`` on its first only (RFC 4733 2.5.1), while the stream's sampling clock
+        advances under it as for any frame. A pending talkspurt marker stays for the next
+        :meth:`packet`."""
+        if not 0 <= payload_type <= MAX_PAYLOAD_TYPE:
             raise RtpError(f"RTP payload type {payload_type} outside 0..{MAX_PAYLOAD_TYPE}")
-        if marker is None:
-            marker, self._marker = self._marker, False
         second = payload_type | _MARKER_BIT if marker else payload_type
-        stamp = self.timestamp if timestamp is None else timestamp & TS_MASK
-        data = _HEADER.pack(_VERSION_BITS, second, self.sequence, stamp, self.ssrc)
+        return self._emit(second, timestamp & TS_MASK, payload)
+
+    def _emit(self, second: int, timestamp: int, payload: bytes) -> bytes:
+        data = _HEADER.pack(_VERSION_BITS, second, self.sequence, timestamp, self.ssrc)
         self.sequence = seq_add(self.sequence, 1)
         self.timestamp = ts_add(self.timestamp, self.samples_per_frame)
         self.packets_sent += 1
