@@ -1,4 +1,4 @@
-"""The shape of gateway/ (DESIGN.md, "Rules of the road"), checked from its source.
+"""The shape of gateway/ (docs/architecture/index.md, "Rules of the road"), checked from its source.
 
 - The import graph has no cycle, counting every import: module level, inside functions, and
   under ``if TYPE_CHECKING:`` (a type-only cycle is still two modules that cannot be understood

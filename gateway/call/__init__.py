@@ -1,4 +1,4 @@
-"""The transport-agnostic call and its one lifecycle (see DESIGN.md, "gateway/call").
+"""The transport-agnostic call and its one lifecycle (docs/architecture/index.md, "gateway/call").
 
 - :mod:`gateway.call.events`: inbound events (:class:`Dtmf`, :class:`PlaybackDone`,
   :class:`SpeechStarted`, :class:`SpeechPaused`, :class:`SpeechFailed`, :class:`Hangup`) and
