@@ -5,7 +5,8 @@
   apart).
 - No transport imports the app: the composition root reaches down, nothing reaches back up.
 - Both transports start and finish calls through the one lifecycle module.
-- The pure protocol modules (SIP, SDP, RTP, digest, the Twilio messages, G.711, the decimator)
+- The pure protocol modules (SIP, SDP, RTP, digest, the SIP server and client cores, the Twilio
+  messages, G.711, the decimator)
   and their tests run without torch: a subprocess in which ``import torch`` fails collects
   every one of those test modules and runs their example-based tests (the property tests add
   no import and run in the default run).
@@ -27,12 +28,12 @@ PACKAGE = ROOT / "gateway"
 #: Tests of the protocol cores that must run on an install without torch.
 PROTOCOL_TESTS = [
     "test_sip_message.py", "test_sip_sdp.py", "test_sip_rtp.py", "test_sip_uas.py",
-    "test_sip_digest.py", "test_twilio_protocol.py", "test_audio_g711.py",
+    "test_sip_uac.py", "test_sip_digest.py", "test_twilio_protocol.py", "test_audio_g711.py",
     "test_audio_resample.py",
 ]
 PROTOCOL_MODULES = [
     "gateway.sip.message", "gateway.sip.sdp", "gateway.sip.rtp", "gateway.sip.uas",
-    "gateway.sip.digest", "gateway.twilio.protocol", "gateway.audio.g711",
+    "gateway.sip.uac", "gateway.sip.digest", "gateway.twilio.protocol", "gateway.audio.g711",
     "gateway.audio.resample", "gateway.errors",
 ]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import local_http
 import pytest
-from clocks import until
+from clocks import LoopClock, until
 from conftest import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
 from gateway_process import GatewayProcess
 from sip_peers import wait_until
@@ -221,7 +221,7 @@ async def test_each_number_reaches_its_lines_script_over_twilio_and_sip(
     for user, line, text in (("2000", "outages", "Outage line, version one."),
                              ("ivr", "customer-service", "Thank you for calling Acme Energy.")):
         before = set(live.gateway.registry.items())
-        phone = SipCaller(caller_id="tester", clock=asyncio.get_running_loop().time)
+        phone = SipCaller(caller_id="tester", clock=LoopClock(asyncio.get_running_loop()))
         try:
             await phone.call(endpoint.local_addr, user=user)
             server = await until(lambda b=before: next(

@@ -1,33 +1,39 @@
 """The load simulator's SIP caller (gateway.loadsim.sip_caller), built on gateway.sip.
 
 Against a real peer (baresip auto-answering on loopback, tests/sip_peers.py) for what a phone
-sees; against a scripted UDP peer for the exact RFC 3261 timers and RTP/RFC 4733 wire format;
-and sans-I/O for the receive analysis (jitter, loss, speech timing, the playout model) and the
-pacing measurement on a virtual clock.
+sees; against a scripted UDP peer on virtual time (real sockets in a
+:class:`virtual_time.VirtualTimeLoop`) for the exact RFC 3261 timers and RTP/RFC 4733 wire
+format, and for the RTP pacing (the gateway's one Pacer on the phone's clock); sans-I/O for the
+receive analysis (jitter, loss, speech timing, the playout model). The SIP client core itself is
+tested message by message in test_sip_uac.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
+from clocks import LoopClock, until
+from conftest import virtual_loop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sip_peers import Baresip
 
 from gateway.audio.g711 import ulaw_encode
+from gateway.loadsim.rtp_out import DtmfKey, OutboundStream
 from gateway.loadsim.sip_caller import (
     FRAME_SAMPLES,
     CallFailed,
     CallTimeout,
-    FramePacer,
+    PacingStats,
     RtpReceiveLog,
     SipCaller,
     is_silent,
@@ -36,8 +42,8 @@ from gateway.loadsim.sip_caller import (
 from gateway.sip.message import SipParseError, SipResponse, parse_message
 from gateway.sip.rtp import RtpError, RtpPacket, seq_diff, ts_diff
 from gateway.sip.sdp import SdpError
+from gateway.sip.uac import MediaPlan
 
-T = TypeVar("T")
 RATE = 8000
 
 
@@ -58,16 +64,6 @@ def bursts_wav() -> np.ndarray:
 def ulaw_frames(pcm: np.ndarray) -> list[bytes]:
     codes = ulaw_encode(pcm)
     return [codes[i : i + FRAME_SAMPLES] for i in range(0, len(codes), FRAME_SAMPLES)]
-
-
-async def until(probe: Callable[[], T | None], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value is not None:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 async def event(phone: Baresip, kind: str, timeout: float = 5) -> dict[str, Any]:
@@ -140,14 +136,14 @@ async def test_baresip_hangs_up_first(tmp_path: Path) -> None:
         async with SipCaller() as caller:
             await caller.call(("127.0.0.1", phone.sip_port), user="tester", timeout_s=5)
             await event(phone, "CALL_ESTABLISHED")
-            await asyncio.sleep(0.2)
+            await until(lambda: caller.rtp.packets, 3, "baresip's RTP")
             asked = time.monotonic()
             phone.hangup()
             hung_up = await until(lambda: caller.remote_hangup_at, 3, "baresip's BYE")
             assert 0 < hung_up - asked < 1
             await event(phone, "CALL_CLOSED")
             sent = caller.packets_sent
-            await asyncio.sleep(0.1)
+            await until(lambda: not caller.sending, 1, "our media to stop")
             assert caller.packets_sent == sent  # our media stopped with the BYE
             assert await caller.hangup() is None  # nothing left to end
             assert caller.requests_received == {"BYE": 1}
@@ -175,16 +171,26 @@ async def test_rejected_call_fails_clearly_and_is_acked(tmp_path: Path) -> None:
             with pytest.raises(CallFailed) as failed:
                 await caller.call(("127.0.0.1", phone.sip_port), user="nobody", timeout_s=5)
             assert failed.value.status == caller.status == 404
-            await asyncio.sleep(1.2)  # baresip retransmits its 404 at +0.5 s unless ACKed
+            # baresip retransmits its 404 at +0.5 s unless ACKed: what did not happen can only
+            # be seen by waiting past it (on virtual time, test_sip_uac checks the ACK itself).
+            await asyncio.sleep(1.2)
             assert caller.final_retransmits == 0, caller.errors
             assert caller.errors == []
 
 
-# --- against a scripted peer: exact timers and wire format ----------------------------------------
+# --- against a scripted peer on virtual time: exact timers and wire format ------------------------
+
+
+def on_virtual_time(main: Callable[[LoopClock], Coroutine[Any, Any, None]]) -> None:
+    """Run ``main(clock)`` in a virtual-time loop: real UDP sockets, the loop's clock jumping
+    to its next timer whenever everything waits, so a peer that waits a second to see that
+    nothing comes costs no real time, and every interval is exact."""
+    with virtual_loop() as loop:
+        loop.run_until_complete(main(LoopClock(loop)))
 
 
 class Udp(asyncio.DatagramProtocol):
-    """A test-side UDP socket on 127.0.0.1 with an arrival-timestamped receive queue."""
+    """A test-side UDP socket on 127.0.0.1 with an arrival-timestamped (loop time) queue."""
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[tuple[bytes, tuple[str, int], float]] = asyncio.Queue()
@@ -200,7 +206,7 @@ class Udp(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        self.queue.put_nowait((data, addr, time.monotonic()))
+        self.queue.put_nowait((data, addr, asyncio.get_running_loop().time()))
 
     @property
     def port(self) -> int:
@@ -259,9 +265,14 @@ def rtp_fields(data: bytes) -> tuple[bool, int, int, int, int, bytes]:
     return bool(b1 & 0x80), b1 & 0x7F, seq, ts, ssrc, data[12:]
 
 
-async def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
+def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
+    on_virtual_time(_timers_acks_rtp_and_dtmf_on_the_wire)
+
+
+async def _timers_acks_rtp_and_dtmf_on_the_wire(clock: LoopClock) -> None:
     uas, media = await Udp.open(), await Udp.open()
-    caller = SipCaller(t1=0.2)  # Timer A: +0.2 s, +0.6 s, +1.4 s... (T1 = 500 ms by default)
+    # Timer A: +0.2 s, +0.6 s, +1.4 s... (T1 = 500 ms by default)
+    caller = SipCaller(t1=0.2, clock=clock)
     try:
         call = asyncio.create_task(caller.call(("127.0.0.1", uas.port), user="ivr", timeout_s=8))
         invites = [await uas.recv() for _ in range(3)]  # unanswered
@@ -319,6 +330,7 @@ async def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
             seen.append(rtp_fields((await media.recv())[0]))
         seen.append(rtp_fields((await media.recv())[0]))  # the audio that resumes
         pressed = await dtmf
+        assert pressed < clock.now()
         first = next(i for i, p in enumerate(seen) if p[1] == 101)
         events, resumed = seen[first:-1], seen[-1]
         assert events[0][0] and not any(p[0] for p in events[1:])  # marker on the start only
@@ -363,9 +375,13 @@ async def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
         media.close()
 
 
-async def test_setup_timeout_after_ringing_cancels_and_acks_the_487() -> None:
+def test_setup_timeout_after_ringing_cancels_and_acks_the_487() -> None:
+    on_virtual_time(_setup_timeout_after_ringing_cancels_and_acks_the_487)
+
+
+async def _setup_timeout_after_ringing_cancels_and_acks_the_487(clock: LoopClock) -> None:
     uas = await Udp.open()
-    caller = SipCaller()
+    caller = SipCaller(clock=clock)
     try:
         call = asyncio.create_task(caller.call(("127.0.0.1", uas.port), user="ivr", timeout_s=1))
         data, source, _ = await uas.recv()
@@ -497,31 +513,102 @@ def test_idle_fill_inside_an_utterance_is_a_dropout_the_caller_hears() -> None:
     assert stats.gaps == 1 and stats.gap_ms == pytest.approx(40 + 60, abs=0.01)
 
 
-# --- sans-I/O: pacing ---------------------------------------------------------------------------
+# --- pacing: the gateway's one Pacer on the phone's clock ----------------------------------------
 
 
-async def test_pacer_measures_lateness_against_fixed_deadlines() -> None:
-    now = [1000.0]
-    overshoot = iter([0.0, 0.0012, 0.0, 0.025, 0.0003, 0.0, 0.0])
-    slept: list[float] = []
+class LateClock(LoopClock):
+    """The loop's clock whose sleeps overshoot as a busy machine's do: by ``overshoots`` in
+    turn, then not at all."""
 
-    async def sleep(delay: float) -> None:
-        slept.append(delay)
-        now[0] += delay + next(overshoot)
+    def __init__(self, loop: asyncio.AbstractEventLoop, overshoots: list[float]) -> None:
+        super().__init__(loop)
+        self._overshoots = itertools.chain(overshoots, itertools.repeat(0.0))
 
-    pacer = FramePacer(clock=lambda: now[0], sleep=sleep)
-    pacer.start()
-    woke = [await pacer.next() for _ in range(8)]
-    lateness = list(pacer.stats.lateness_ms)
-    # deadline n is 1000 + 0.02 n; the 25 ms stall makes deadline 5 already due (5 ms late).
-    assert lateness == pytest.approx([0, 0, 1.2, 0, 25, 5, 0.3, 0], abs=1e-6)
-    assert woke[-1] == pytest.approx(1000 + 0.02 * 7)  # no drift after the stall
-    assert len(slept) == 6
-    assert pacer.stats.histogram((1, 10)) == [("<1ms", 5), ("1-10ms", 2), (">=10ms", 1)]
-    assert pacer.stats.max_ms == pytest.approx(25)
-    assert pacer.stats.percentile(50) == 0  # nearest rank: the 4th of 8
-    assert pacer.stats.percentile(75) == pytest.approx(1.2)
-    assert pacer.stats.percentile(100) == pytest.approx(25)
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds) + next(self._overshoots))
+
+
+def test_rtp_is_paced_on_fixed_deadlines_and_a_stall_is_caught_up_not_reanchored() -> None:
+    """The phone's sends keep ``t0 + n * 20 ms`` on its injected clock: oversleeping shows as
+    lateness, a 125 ms stall (over 5 frames) sends the missed beats back-to-back, as a sound
+    card that kept producing samples does, instead of re-anchoring the stream later."""
+    with virtual_loop() as loop:
+        loop.run_until_complete(_paced(LateClock(loop, [0.0, 0.0012, 0.0, 0.125, 0.0003])))
+
+
+async def _paced(clock: LateClock) -> None:
+    uas, media = await Udp.open(), await Udp.open()
+    caller = SipCaller(clock=clock)
+    try:
+        call = asyncio.create_task(caller.call(("127.0.0.1", uas.port), user="ivr"))
+        data, source, _ = await uas.recv()
+        _, invite, _ = parse_sip(data)
+        uas.send(reply(invite, "200 OK", to_tag="p", body=answer_sdp(media.port),
+                       extra=(f"Contact: <sip:ivr@127.0.0.1:{uas.port}>",
+                              "Content-Type: application/sdp")), source)
+        await uas.recv()  # the ACK
+        await call
+        packets = [rtp_fields((await media.recv())[0]) for _ in range(13)]
+        # Deadline n is t0 + 0.02 n: 1.2 ms overslept at beat 2; beat 4 wakes 125 ms late, so
+        # beats 5..10 are already due (105 ... 5 ms late) and go at once; 0.3 ms at beat 11.
+        lateness = list(caller.pacing.lateness_ms)[:13]
+        assert lateness == pytest.approx([0, 0, 1.2, 0, 125, 105, 85, 65, 45, 25, 5, 0.3, 0],
+                                         abs=1e-4)  # float error on the loop's time
+        assert caller.pacer.reanchors == 0 and caller.pacing.max_ms == pytest.approx(125)
+        # Every beat of the sampling clock went out: consecutive sequence numbers, timestamps
+        # 160 samples apart, the stall not skipped.
+        assert all(seq_diff(b[2], a[2]) == 1 for a, b in itertools.pairwise(packets))
+        assert all(ts_diff(b[3], a[3]) == 160 for a, b in itertools.pairwise(packets))
+        assert caller.errors == []
+    finally:
+        await caller.aclose()
+        uas.close()
+        media.close()
+
+
+def test_outbound_stream_keeps_one_timeline_through_dtmf_and_hold() -> None:
+    """Sans-I/O: every beat advances the sampling clock; a key's packets carry its start
+    timestamp under PT 101; beats on hold send nothing and take no sequence number, and the
+    first packet after them opens a talkspurt."""
+    done: list[float | None] = []
+    stream = OutboundStream(rng=random.Random(7))
+    stream.apply(MediaPlan(("127.0.0.1", 4000), 0, 101, True))
+    ts0, seq0 = stream.rtp.timestamp, stream.rtp.sequence
+    sent = [stream.tick(0.02 * n) for n in range(2)]
+    stream.press(DtmfKey.press("9", 40, done.append))
+    sent += [stream.tick(0.02 * n) for n in range(2, 8)]
+    stream.apply(MediaPlan(("127.0.0.1", 4000), 0, 101, False))  # on hold
+    assert [stream.tick(0.02 * n) for n in range(8, 11)] == [None] * 3
+    stream.apply(MediaPlan(("127.0.0.1", 4000), 0, 101, True))
+    sent.append(stream.tick(0.22))
+    packets = [RtpPacket.parse(p) for p in sent if p is not None]
+    assert len(packets) == 9
+    # A 40 ms key: an update, then its final packet three times (RFC 4733 2.5.1.4).
+    assert [p.payload_type for p in packets] == [0, 0] + [101] * 4 + [0, 0, 0]
+    assert [p.marker for p in packets] == [True, False, True] + [False] * 5 + [True]
+    assert [p.sequence for p in packets] == [(seq0 + n) % 65536 for n in range(9)]
+    assert [ts_diff(p.timestamp, ts0) for p in packets] == \
+        [0, 160] + [320] * 4 + [6 * 160, 7 * 160, 11 * 160]
+    events = [struct.unpack("!BBH", p.payload) for p in packets[2:6]]
+    assert [(code, flags >> 7, duration) for code, flags, duration in events] == \
+        [(9, 0, 160), (9, 1, 320), (9, 1, 320), (9, 1, 320)]
+    assert DtmfKey.press("9", 40, done.append).packets == 4
+    assert done == [0.04]  # the key's first packet went out at beat 2
+    assert stream.rtp.packets_sent == 9
+
+
+def test_pacing_stats_summarise_lateness() -> None:
+    stats = PacingStats()
+    for lateness_s in (0, 0, 0.0012, 0, 0.025, 0.005, 0.0003, 0):
+        stats.record(lateness_s)
+    assert len(stats) == 8
+    assert stats.histogram((1, 10)) == [("<1ms", 5), ("1-10ms", 2), (">=10ms", 1)]
+    assert stats.max_ms == pytest.approx(25)
+    assert stats.mean_ms == pytest.approx((1.2 + 25 + 5 + 0.3) / 8)
+    assert stats.percentile(50) == 0  # nearest rank: the 4th of 8
+    assert stats.percentile(75) == pytest.approx(1.2)
+    assert stats.percentile(100) == pytest.approx(25)
+    assert PacingStats().percentile(50) == 0 and PacingStats().max_ms == 0
 
 
 # --- the gateway's parsers, as the phone uses them ------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from clocks import until
+from clocks import LoopClock, until
 from conftest import LiveServer, VirtualServer
 from sip_peers import Baresip, run_sipp
 from sip_peers import wait_until as _wait
@@ -315,7 +315,7 @@ class LoopSipCaller:
 
         self.live = live
         loop = asyncio.get_running_loop()
-        self.phone = Phone(caller_id="tester", clock=loop.time)
+        self.phone = Phone(caller_id="tester", clock=LoopClock(loop))
 
     async def start(self) -> None:
         await self.phone.call(_target(self.live), user="ivr")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clocks import until
+from clocks import LoopClock, until
 from conftest import AUTH_TOKEN, VirtualServer, _built_once
 
 from gateway.call import Call, EndCall, TransferTo
@@ -96,7 +96,8 @@ class SipCaller:
         from gateway.loadsim.sip_caller import SipCaller as Phone
 
         self.live = live
-        self.phone = Phone(caller_id=f"speaker{n}", clock=asyncio.get_running_loop().time)
+        self.phone = Phone(caller_id=f"speaker{n}",
+                           clock=LoopClock(asyncio.get_running_loop()))
 
     async def start(self) -> None:
         endpoint = self.live.gateway.sip
