@@ -21,7 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO
+
+ROOT = REPO
 PACKAGE = ROOT / "gateway"
 
 #: Tests of the protocol cores that must run on an install without torch.
@@ -81,9 +83,11 @@ def parsed_import_graph() -> dict[str, set[str]]:
     (gh-106905): an ``ast.parse`` here while a thread a gateway test left behind compiles a
     module it imports lazily raised "AST constructor recursion depth mismatch" in a fresh
     clone. This module imports nothing but the standard library, so the child is cheap."""
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_architecture as t; "
+    # Imported by its module name from the repository's root (``-c`` puts the working directory
+    # first on the path), wherever the tests' tree keeps this module.
+    code = (f"import json; import {__name__} as t; "
             "print(json.dumps({k: sorted(v) for k, v in t.import_graph().items()}))")
-    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)],
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO,
                          capture_output=True, text=True, check=True, timeout=60).stdout
     return {name: set(deps) for name, deps in json.loads(out).items()}
 

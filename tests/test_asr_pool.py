@@ -11,7 +11,6 @@ import functools
 import os
 import sys
 
-import asr_fakes
 import numpy as np
 import pytest
 
@@ -27,6 +26,7 @@ from gateway.errors import (
     RecognizerTimeout,
     RecognizerUnavailable,
 )
+from tests.support import asr_fakes
 
 MENU = SpeechGrammar.build({"agent": ["agent", "operator"], "billing": ["billing"]})
 FRAME = 160

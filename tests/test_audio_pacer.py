@@ -7,9 +7,9 @@ import asyncio
 
 import numpy as np
 import pytest
-from clocks import ManualClock, VirtualClock
 
 from gateway.audio.pacer import Pacer
+from tests.support.clocks import ManualClock, VirtualClock
 
 
 def test_pacer_deadlines_advance_by_exactly_one_frame() -> None:

@@ -12,7 +12,6 @@ import base64
 import importlib.util
 import json
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -25,9 +24,11 @@ import gateway.call.session as session
 import gateway.twilio.protocol as protocol
 from gateway.audio.g711 import ulaw_encode
 from gateway.config import Settings
+from tests.support.paths import GOLDEN as GOLDEN_ROOT
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).parent / "golden" / "twilio"
+ROOT = REPO
+GOLDEN = GOLDEN_ROOT / "twilio"
 
 
 def _bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:

@@ -19,8 +19,9 @@ import torch
 
 from gateway import heap
 from gateway.tts.engine import SAMPLES_PER_FRAME, SpeechRequest
+from tests.support.paths import REPO
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(REPO / "bench"))
 from slot_engine import SlotEngine, SlotService, build_mask_table
 
 

@@ -23,12 +23,12 @@ from typing import Any, ClassVar
 import httpx
 import numpy as np
 import pytest
-from conftest import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
 from twilio.request_validator import RequestValidator
-from twilio_client import FakeTwilioCall
 
 from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.engine import EngineRow
+from tests.support.servers import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
+from tests.support.twilio_client import FakeTwilioCall
 
 BALANCE = "your balance is ready"
 SORRY = "something went wrong"

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from clocks import VirtualClock
 
 from gateway.audio.g711 import ulaw_decode, ulaw_encode
 from gateway.call import (
@@ -38,6 +37,7 @@ from gateway.call import (
 from gateway.metrics import Metrics
 from gateway.readiness import Readiness
 from gateway.sip.endpoint import RTP_PLAYOUT
+from tests.support.clocks import VirtualClock
 
 SILENCE = b"\xff" * 160
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from clocks import VirtualClock
 
 from gateway.asr.synth import SynthVoice, phone_line, synthesize
 from gateway.audio.vad import SpeechStartDetector
 from gateway.call import Call, CallOutcome, PlayoutPolicy, SpeechPaused, SpeechStarted
+from tests.support.clocks import VirtualClock
 
 FRAME = 160
 LEAD_S = 0.6

@@ -16,15 +16,16 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 
-import local_http
 import pytest
-from clocks import until
-from conftest import AUTH_TOKEN, LiveServer, serve
-from sip_peers import run_sipp
 from twilio.request_validator import RequestValidator
-from twilio_client import FakeTwilioCall
 
 from gateway.sip.message import SipResponse, parse_message
+from tests.support import local_http
+from tests.support.metrics import scrape
+from tests.support.servers import AUTH_TOKEN, LiveServer, serve
+from tests.support.sip_peers import run_sipp
+from tests.support.twilio_client import FakeTwilioCall
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -104,16 +105,16 @@ async def test_the_budget_is_shared_by_webhook_reservations_streams_and_sip(
 
     # What an operator scrapes: turns and first audio split by transport and source, refusals
     # by reason, the drain flag, GPU memory (0 here: no CUDA).
-    metrics = local_http.get(f"{small.base_url}/metrics", timeout=5).text
-    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-               for line in metrics.splitlines() if line and not line.startswith("#")}
+    samples = scrape(small.base_url)
     # (No lines configured: every call is the default line's.)
-    assert samples['gateway_turns_total{line="default",source="live",transport="twilio"}'] == 2
-    assert samples['gateway_first_audio_seconds_count{line="default",source="live",'
-                   'transport="twilio"}'] == 2
-    assert samples['gateway_calls_refused_total{reason="at_capacity",transport="twilio"}'] == 2
-    assert samples["gateway_draining"] == 0
-    assert samples['gateway_gpu_memory_bytes{kind="allocated"}'] == 0
+    assert samples.value("gateway_turns_total", line="default", source="live",
+                         transport="twilio") == 2
+    assert samples.value("gateway_first_audio_seconds_count", line="default", source="live",
+                         transport="twilio") == 2
+    assert samples.value("gateway_calls_refused_total", reason="at_capacity",
+                         transport="twilio") == 2
+    assert samples.value("gateway_draining") == 0
+    assert samples.value("gateway_gpu_memory_bytes", kind="allocated") == 0
 
 
 class RingingPhone:

@@ -14,6 +14,7 @@ import pytest
 import soundfile as sf
 
 from gateway.cli import main
+from tests.support.paths import REPO, TESTS
 
 
 def test_model_tiny_builds_a_loadable_checkpoint(tmp_path: Path) -> None:
@@ -69,7 +70,7 @@ def test_serve_refuses_to_start_without_an_auth_token(
 ) -> None:
     monkeypatch.delenv("GATEWAY_TWILIO_AUTH_TOKEN", raising=False)
     monkeypatch.delenv("GATEWAY_INSECURE", raising=False)
-    monkeypatch.chdir(Path(__file__).parent)  # no stray .env file
+    monkeypatch.chdir(TESTS)  # no stray .env file
     assert main(["serve", "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert "GATEWAY_TWILIO_AUTH_TOKEN" in err and "--insecure" in err
@@ -198,7 +199,7 @@ def test_every_model_command_with_a_hub_model_and_no_hub_fails_at_once_with_one_
 ) -> None:
     import time
 
-    root = Path(__file__).resolve().parent.parent
+    root = REPO
     monkeypatch.chdir(root)  # the README's relative paths (prompts/demo.yaml)
     for name in ("GATEWAY_MODEL", "GATEWAY_SCRIPT", "GATEWAY_LINES", "HTTPS_PROXY",
                  "https_proxy"):
@@ -253,7 +254,7 @@ def test_command_summaries_are_whole_sentences_not_the_docstrings_line_breaks(
 def test_run_sh_help_lists_the_commands_or_explains_one(argv: list[str], usage: str) -> None:
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    root = REPO
     done = subprocess.run(["bash", str(root / "run.sh"), *argv], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "COLUMNS": "120"})
     assert done.returncode == 0, done.stderr

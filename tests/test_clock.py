@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from clocks import LoopClock
 
 from gateway.clock import Clock, SystemClock
+from tests.support.clocks import LoopClock
 
 
 @pytest.mark.parametrize("kind", ["system", "loop"])

@@ -27,8 +27,9 @@ from dockerfile_parse import DockerfileParser
 from pydantic import SecretStr
 
 from gateway.config import Settings
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 RUN_SH = REPO / "run.sh"

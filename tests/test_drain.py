@@ -20,11 +20,14 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-import local_http
 import pytest
-from gateway_process import GatewayProcess
-from sip_peers import run_sipp
-from twilio_client import FakeTwilioCall
+
+from tests.support import local_http
+from tests.support.gateway_process import GatewayProcess
+from tests.support.metrics import metric
+from tests.support.sip_peers import run_sipp
+from tests.support.twilio_client import FakeTwilioCall
+from tests.support.waiting import until_in_thread
 
 pytestmark = pytest.mark.slow
 
@@ -50,22 +53,7 @@ def _sip_options(port: int, timeout: float = 3.0) -> int:
 
 
 def _active_calls(gateway: GatewayProcess) -> float:
-    text = local_http.get(f"{gateway.base_url}/metrics", timeout=5).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("gateway_calls_active{")
-    )
-
-
-async def _until(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = await asyncio.to_thread(predicate)
-        if value:
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return metric(gateway.base_url, "gateway_calls_active", default=0.0)
 
 
 def _call(gateway: GatewayProcess, n: int) -> FakeTwilioCall:
@@ -90,13 +78,13 @@ async def test_sigterm_drains_active_calls_and_refuses_new_ones(
                 "hold_open.xml", ("127.0.0.1", gateway.sip_port or 0), workdir=tmp_path,
                 timeout_s=60)))
             sipp.start()
-            await _until(lambda: _active_calls(gateway) == 2, 20, "two active calls")
+            await until_in_thread(lambda: _active_calls(gateway) == 2, 20, "two active calls")
 
             t0 = time.monotonic()
             gateway.signal(signal.SIGTERM)
             timeline.append((0.0, "SIGTERM"))
 
-            await _until(
+            await until_in_thread(
                 lambda: local_http.get(f"{gateway.base_url}/readyz", timeout=2).status_code == 503,
                 5, "/readyz 503")
             timeline.append((time.monotonic() - t0, "/readyz 503"))
@@ -187,7 +175,7 @@ async def test_second_signal_stops_at_once(tiny_model_dir: Path, tmp_path: Path)
             await call.start()
             await call.wait_for(lambda: call.events("media"), timeout=60)
             gateway.signal(signal.SIGTERM)
-            await _until(
+            await until_in_thread(
                 lambda: local_http.get(f"{gateway.base_url}/readyz", timeout=2).status_code == 503,
                 5, "/readyz 503")
             assert gateway.proc is not None and gateway.proc.poll() is None  # draining

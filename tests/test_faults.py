@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import socket
 import struct
 import threading
@@ -34,14 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import local_http
 import numpy as np
 import pytest
 import uvicorn
-from conftest import AUTH_TOKEN, DEMO_SCRIPT, LiveServer, _server, serve
 from fastapi import FastAPI
 from twilio.request_validator import RequestValidator
-from twilio_client import FakeTwilioCall
 
 from gateway.call import Call, Utterance
 from gateway.errors import EngineError
@@ -49,6 +45,12 @@ from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.engine import SAMPLES_PER_FRAME, EngineRow, SpeechRequest
 from gateway.tts.qwen import QwenModel
 from gateway.tts.service import SpeechService, SpeechStream
+from tests.support import local_http
+from tests.support.metrics import metric
+from tests.support.paths import DEMO_SCRIPT
+from tests.support.servers import AUTH_TOKEN, LiveServer, serve, uvicorn_server
+from tests.support.twilio_client import FakeTwilioCall
+from tests.support.waiting import never, until
 
 # Real time by nature: the speech service's watchdog, a real backend and real engine steps.
 pytestmark = pytest.mark.slow
@@ -189,7 +191,7 @@ class Backend:
         sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
         started = threading.Event()
-        server = _server(uvicorn.Config(self._app(), log_level="warning"), started.set)
+        server = uvicorn_server(uvicorn.Config(self._app(), log_level="warning"), started.set)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         assert started.wait(10), "backend did not start"
@@ -282,25 +284,14 @@ def _utterances(live: LiveServer, call: FakeTwilioCall) -> list[Utterance]:
     return list(server_call.utterances)
 
 
-async def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        await asyncio.sleep(0.005)
-
-
 async def _started(live: LiveServer, call: FakeTwilioCall, text: str,
                    timeout: float = 30) -> Utterance:
     """The utterance containing ``text`` once its first frame has gone to the caller."""
     def find() -> Utterance | None:
         return next((u for u in _utterances(live, call)
                      if text in u.text and u.first_frame_at is not None), None)
-    return await _wait(find, timeout, f"{call.call_sid} never started {text!r}; said "
-                       f"{[u.text[:30] for u in _utterances(live, call)]}")
+    return await until(find, timeout, f"{call.call_sid} never started {text!r}; said "
+                       f"{[u.text[:30] for u in _utterances(live, call)]}", every=0.005)
 
 
 async def _heard(live: LiveServer, call: FakeTwilioCall, text: str,
@@ -309,8 +300,8 @@ async def _heard(live: LiveServer, call: FakeTwilioCall, text: str,
     def find() -> Utterance | None:
         return next((u for u in _utterances(live, call)
                      if text in u.text and u.played.is_set()), None)
-    return await _wait(find, timeout, f"{call.call_sid} never heard {text!r}; said "
-                       f"{[(u.text[:30], u.error) for u in _utterances(live, call)]}")
+    return await until(find, timeout, f"{call.call_sid} never heard {text!r}; said "
+                       f"{[(u.text[:30], u.error) for u in _utterances(live, call)]}", every=0.005)
 
 
 async def _to_account_lookup(live: LiveServer, call: FakeTwilioCall) -> float:
@@ -334,14 +325,9 @@ def _after_stream(live: LiveServer, call_sid: str) -> ET.Element:
     return ET.fromstring(response.text)
 
 
-def _metric(live: LiveServer, name: str, default: float | None = None) -> float:
+def _metric(live: LiveServer, name: str, default: float | None = None, **labels: str) -> float:
     """A sample from /metrics (``default`` for a labelled series not created yet)."""
-    text = local_http.get(f"{live.base_url}/metrics", timeout=10).text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    if match is None and default is not None:
-        return default
-    assert match is not None, f"{name} not in /metrics"
-    return float(match.group(1))
+    return metric(live.base_url, name, default=default, **labels)
 
 
 async def _transferred_after_sorry(live: LiveServer, call: FakeTwilioCall) -> Utterance:
@@ -375,7 +361,7 @@ async def test_an_engine_failure_mid_sentence_plays_the_error_prompt_from_the_ca
     assert speech.stats.failed == failed + 1
     # Back in service once rebuilt (every turn that shared the failed step was failed or
     # started over): the next call waits for that.
-    await _wait(lambda: speech.stats.recovered == recovered + 1, 20, "recovery")
+    await until(lambda: speech.stats.recovered == recovered + 1, 20, "recovery", every=0.005)
     assert sum(e.rebuilds for e in rig.engines) == rebuilds + 1
     assert speech.healthy_slots == 2
     # The gateway is unharmed: the next caller hears a balance.
@@ -422,7 +408,7 @@ async def test_a_stuck_engine_step_fails_the_turn_and_the_other_engine_keeps_ser
     finally:
         plan.release.set()
     # The hung step returns: the engine is rebuilt and back in service.
-    await _wait(lambda: speech.healthy_slots == 2, 20, "engine back in service")
+    await until(lambda: speech.healthy_slots == 2, 20, "engine back in service", every=0.005)
     assert _metric(live, "gateway_tts_slots_healthy") == 2.0
 
 
@@ -490,8 +476,8 @@ async def test_a_caller_who_vanishes_mid_sentence_is_reaped_and_frees_the_slot(
     live = rig.live
     speech = live.gateway.speech_service
     cancelled = speech.stats.cancelled
-    inbound_timeouts = 'gateway_calls_inbound_timeouts_total{transport="twilio"}'
-    timeouts = _metric(live, inbound_timeouts, default=0.0)
+    inbound_timeouts = "gateway_calls_inbound_timeouts_total"
+    timeouts = _metric(live, inbound_timeouts, default=0.0, transport="twilio")
     # 1,000 codec frames (80 s of speech; an idle core makes about 70 a second, so at least
     # 14 s of generating): still generating when the caller goes and when the idle timeout
     # reaps it. 200 frames finished within the 3 s timeout on an idle machine.
@@ -511,11 +497,11 @@ async def test_a_caller_who_vanishes_mid_sentence_is_reaped_and_frees_the_slot(
         # left at last_media_at: up to 20 ms before gone_at, more on a busy machine.
         last_media_at = call.last_media_at
         assert last_media_at is not None
-        await _wait(lambda: call.call_sid not in live.gateway.registry, IDLE_TIMEOUT_S + 10,
-                    "call reaped")
+        await until(lambda: call.call_sid not in live.gateway.registry, IDLE_TIMEOUT_S + 10,
+                    "call reaped", every=0.005)
         reaped_s = time.monotonic() - gone_at
         silent_s = call.now() - last_media_at
-        await _wait(lambda: stream.finished_at is not None, 10, "slot freed")
+        await until(lambda: stream.finished_at is not None, 10, "slot freed", every=0.005)
         freed_s = stream.finished_at - gone_at  # type: ignore[operator]
         print(f"\ncaller vanished ({how}): call reaped after {1000 * reaped_s:.0f} ms, its "
               f"slot free after {1000 * freed_s:.0f} ms")
@@ -525,7 +511,7 @@ async def test_a_caller_who_vanishes_mid_sentence_is_reaped_and_frees_the_slot(
             # Only the idle timeout can tell: the socket is still open.
             assert IDLE_TIMEOUT_S <= silent_s and reaped_s < IDLE_TIMEOUT_S + 1.0, (
                 silent_s, reaped_s)
-            assert _metric(live, inbound_timeouts) == timeouts + 1
+            assert _metric(live, inbound_timeouts, transport="twilio") == timeouts + 1
         else:
             assert reaped_s < 1.0
         assert freed_s < reaped_s + 0.5
@@ -536,7 +522,7 @@ async def test_a_caller_who_vanishes_mid_sentence_is_reaped_and_frees_the_slot(
         assert bystander.call_sid in live.gateway.registry and not bystander.closed.is_set()
     if call._ws is not None:
         call._ws.transport.abort()
-    await _wait(lambda: speech.busy_slots == 0, 10, "slots idle")
+    await until(lambda: speech.busy_slots == 0, 10, "slots idle", every=0.005)
 
 
 # --- the prompt cache -------------------------------------------------------------------------
@@ -571,7 +557,7 @@ async def test_an_unwritable_cache_directory_degrades_to_memory_with_an_alarm(
                 n.endswith(".tmp") for n in files
             )
 
-        await _wait(committed, 10, "welcome stored on disk")
+        await until(committed, 10, "welcome stored on disk", every=0.005)
         stored = sorted(p.name for p in disk.rglob("*") if p.is_file())
         assert _metric(live, errors) == 0.0
         # The directory becomes unwritable.
@@ -586,7 +572,7 @@ async def test_an_unwritable_cache_directory_degrades_to_memory_with_an_alarm(
             await call.send_dtmf("1")
             ask = await _heard(live, call, "six digit account number")
             assert not ask.cached  # a miss: rendered live, kept in memory, the write fails
-        await _wait(lambda: _metric(live, errors) >= 1.0, 10, "write error alarm")
+        await until(lambda: _metric(live, errors) >= 1.0, 10, "write error alarm", every=0.005)
         # The next caller hears that prompt from memory, with the disk still gone.
         async with _new_call(live) as call:
             await call.start()
@@ -595,7 +581,7 @@ async def test_an_unwritable_cache_directory_degrades_to_memory_with_an_alarm(
             ask = await _heard(live, call, "six digit account number")
             assert ask.cached
         assert sorted(p.name for p in disk.rglob("*") if p.is_file()) == stored
-        await _wait(lambda: not live.gateway.registry, 10, "the calls to end")
+        await until(lambda: not live.gateway.registry, 10, "the calls to end", every=0.005)
 
 
 # --- the watchdog, at the scheduler -----------------------------------------------------------
@@ -653,7 +639,7 @@ async def test_with_every_engine_stuck_queued_and_new_turns_fail_at_once(
     plan.release.set()
     # Back once its step returned, it is rebuilt and warm: a liveness bound, not a latency
     # figure (5 s on a quiet box; over 20 s with other jobs on the two cores).
-    await _wait(lambda: speech.healthy_slots == 1, 60, "engine back")
+    await until(lambda: speech.healthy_slots == 1, 60, "engine back", every=0.005)
     fresh = speech.stream(SpeechRequest(text="Served again.", seed=1, max_frames=6, min_frames=6))
     assert await _drain(fresh) == 6 * SAMPLES_PER_FRAME
     assert speech.engines[0].rebuilds == 1  # type: ignore[attr-defined]
@@ -680,7 +666,9 @@ async def test_without_the_watchdog_a_stuck_step_holds_its_turn(
     stuck = speech.stream(SpeechRequest(text="Stuck.", seed=1, max_frames=8, min_frames=8))
     drained = asyncio.ensure_future(_drain(stuck))
     assert await asyncio.to_thread(plan.blocked.wait, 60)
-    await asyncio.sleep(1.0)
-    assert not drained.done() and speech.healthy_slots == 1
+    # Watched over the 1 s the watchdog tests above give a step: with the watchdog on, the turn
+    # fails and the slot goes out of service within it.
+    await never(lambda: drained.done() or speech.healthy_slots != 1, 1.0,
+                "the stuck turn given up without a watchdog")
     plan.release.set()
     assert await asyncio.wait_for(drained, 20) == 8 * SAMPLES_PER_FRAME

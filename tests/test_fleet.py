@@ -33,16 +33,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import local_http
 import pytest
-from conftest import AUTH_TOKEN
-from fake_twilio_api import FakeTwilioApi
-from gateway_process import GatewayProcess
-from prometheus_client.parser import text_string_to_metric_families
-from sip_peers import free_port, wait_until
-from test_twilio_rest import write_line
 from twilio.request_validator import RequestValidator
-from twilio_client import FakeTwilioCall
+
+from tests.support import local_http
+from tests.support.fake_twilio_api import FakeTwilioApi
+from tests.support.gateway_process import GatewayProcess
+from tests.support.lines import write_transfer_line
+from tests.support.metrics import metric
+from tests.support.net import free_port
+from tests.support.servers import AUTH_TOKEN
+from tests.support.twilio_client import FakeTwilioCall
+from tests.support.waiting import until_in_thread, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -114,7 +116,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     workdir = tmp_path_factory.mktemp("fleet")
-    line = write_line(workdir)
+    line = write_transfer_line(workdir)
     proxy_port = free_port(kind=socket.SOCK_STREAM)
     public = f"http://127.0.0.1:{proxy_port}"
     with FakeTwilioApi(ACCOUNT_SID, (ACCOUNT_SID, AUTH_TOKEN)) as api:
@@ -210,27 +212,14 @@ async def _twilio_ends_the_stream(call: FakeTwilioCall) -> None:
 # --- each replica's own view ------------------------------------------------------------------
 
 
-def _metrics(replica: GatewayProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = local_http.get(f"{replica.base_url}/metrics", timeout=5).text
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
-
-
 def _metric(replica: GatewayProcess, name: str, **labels: str) -> float:
     """``name``'s value summed over the samples carrying ``labels`` (others, such as a call
-    metric's ``line``, whatever their value)."""
-    wanted = set(labels.items())
-    return sum(value for (sample, sample_labels), value in _metrics(replica).items()
-               if sample == name and wanted <= set(sample_labels))
+    metric's ``line``, whatever their value); 0 for a series not created yet."""
+    return metric(replica.base_url, name, default=0.0, **labels)
 
 
 def _calls(replica: GatewayProcess) -> float:
     return _metric(replica, "gateway_calls_active", transport="twilio")
-
-
-async def _until(predicate: object, what: str, timeout: float = 20) -> None:
-    """Wait (in a thread, polling every 20 ms with a bound) for a replica's state."""
-    await asyncio.to_thread(wait_until, predicate, timeout, what)  # type: ignore[arg-type]
 
 
 def _twiml(form: dict[str, str]) -> list[tuple[str, str]]:
@@ -245,18 +234,19 @@ async def test_a_transfer_decided_on_the_stream_replica_reaches_twilio(fleet: Fl
     sid = placed.call.call_sid
     assert placed.stream_by == fleet.other(placed.webhook_by)  # round-robin, no stickiness
     streaming = fleet.replicas[placed.stream_by]
-    await _until(lambda: _calls(streaming) == 1, "the call up on the stream's replica")
+    await until_in_thread(lambda: _calls(streaming) == 1,
+                          what="the call up on the stream's replica")
     await placed.call.send_dtmf("0")
     update = (await asyncio.to_thread(fleet.api.wait_for, lambda: fleet.api.for_call(sid)))[0]
     # The right call, the right account, Twilio's documented request, <Dial> the target.
     assert update.path == f"/2010-04-01/Accounts/{ACCOUNT_SID}/Calls/{sid}.json"
     assert update.auth == (ACCOUNT_SID, AUTH_TOKEN)
     assert _twiml(update.form) == [("Dial", "+15550100200")]
-    await _until(lambda: _metric(streaming, "gateway_twilio_call_updates_total",
-                                 result="delivered") == 1, "the update delivered")
+    await until_in_thread(lambda: _metric(streaming, "gateway_twilio_call_updates_total",
+                                 result="delivered") == 1, what="the update delivered")
     assert not placed.call.closed.is_set()  # left for Twilio to end
     await _twilio_ends_the_stream(placed.call)
-    await _until(lambda: _calls(streaming) == 0, "the call over")
+    await until_in_thread(lambda: _calls(streaming) == 0, what="the call over")
     webhook = fleet.replicas[placed.webhook_by]
     assert _metric(webhook, "gateway_seats", kind="reservation") == 0  # nothing held there
 
@@ -268,7 +258,8 @@ async def test_when_the_update_fails_after_stream_finds_the_replica_that_knows(
     fleet.api.plans[sid] = [503, 503, 503]  # Twilio's API down for this call's update
     placed = await _dial(fleet, 2)
     streaming = fleet.replicas[placed.stream_by]
-    await _until(lambda: _calls(streaming) == 1, "the call up on the stream's replica")
+    await until_in_thread(lambda: _calls(streaming) == 1,
+                          what="the call up on the stream's replica")
     await placed.call.send_dtmf("0")
     # Every attempt failed: the stream's replica closes the stream, and Twilio asks.
     await placed.call.wait_for(lambda: placed.call.closed.is_set(), timeout=30)
@@ -299,7 +290,8 @@ async def test_each_replica_keeps_its_own_budget_and_drains_without_phantom_seat
     first, second = await _dial(fleet, 3), await _dial(fleet, 4)
     assert first.webhook_by == second.webhook_by and first.stream_by == second.stream_by
     webhooks, streams = (fleet.replicas[first.webhook_by], fleet.replicas[first.stream_by])
-    await _until(lambda: _calls(streams) == 2, "both calls up on the streams' replica")
+    await until_in_thread(lambda: _calls(streams) == 2,
+                          what="both calls up on the streams' replica")
     # The webhooks' replica holds no phantom seats: its third webhook still gets <Connect>.
     assert _metric(webhooks, "gateway_seats", kind="reservation") == 0
     assert _metric(webhooks, "gateway_seats", kind="call") == 0
@@ -325,14 +317,15 @@ async def test_each_replica_keeps_its_own_budget_and_drains_without_phantom_seat
     await local.connect()
     await local.start({"CallSid": local.call_sid})
     assert local.response_headers["x-served-by"] == first.webhook_by
-    await _until(lambda: _calls(webhooks) == 1, "the call up on the webhooks' replica")
+    await until_in_thread(lambda: _calls(webhooks) == 1,
+                          what="the call up on the webhooks' replica")
 
     # A rolling deploy drains the webhooks' replica: its three webhooks for streams that went
     # elsewhere hold nothing, so it exits as soon as its one call is over.
     webhooks.signal(signal.SIGTERM)
-    await _until(
+    await until_in_thread(
         lambda: local_http.get(f"{webhooks.base_url}/readyz", timeout=5).status_code == 503,
-        "the drain to begin")
+        what="the drain to begin")
     await local.send_dtmf("9")  # the caller picks "goodbye": a hang-up by live-call update
     hangup = (await asyncio.to_thread(fleet.api.wait_for,
                                       lambda: fleet.api.for_call(local.call_sid)))[0]
@@ -350,4 +343,5 @@ async def test_each_replica_keeps_its_own_budget_and_drains_without_phantom_seat
         await asyncio.to_thread(fleet.api.wait_for,
                                 lambda p=placed: fleet.api.for_call(p.call.call_sid))
         await _twilio_ends_the_stream(placed.call)
-    await _until(lambda: _metric(streams, "gateway_seats", kind="call") == 0, "seats free")
+    await until_in_thread(lambda: _metric(streams, "gateway_seats", kind="call") == 0,
+                          what="seats free")

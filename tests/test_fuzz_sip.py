@@ -35,11 +35,9 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
-from test_sip_message import assert_round_trips
 
 from gateway.sip import uas as uas_module
 from gateway.sip.message import (
@@ -72,11 +70,13 @@ from gateway.sip.uas import (
     UasConfig,
     UasCore,
 )
+from tests.support.paths import TESTS
+from tests.support.sip_messages import assert_round_trips
 
 CASES = int(os.environ.get("SIP_FUZZ_CASES", "100000"))
 SEED = int(os.environ.get("SIP_FUZZ_SEED", "5060"))
 
-HERE = Path(__file__).parent
+HERE = TESTS
 GOLDEN_SIP = [p.read_bytes() for p in sorted((HERE / "golden" / "sip").glob("*.sip"))]
 
 ALLOWED = ("127.0.0.1", 5062)

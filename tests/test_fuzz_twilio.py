@@ -24,7 +24,6 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,11 +46,12 @@ from gateway.twilio.protocol import (
     Stop,
     StreamState,
 )
+from tests.support.paths import GOLDEN as GOLDEN_ROOT
 
 CASES = int(os.environ.get("TWILIO_FUZZ_CASES", "100000"))
 SEED = int(os.environ.get("TWILIO_FUZZ_SEED", "20260508"))
 
-GOLDEN = Path(__file__).parent / "golden" / "twilio"
+GOLDEN = GOLDEN_ROOT / "twilio"
 INBOUND = ("connected", "start", "media", "dtmf", "mark", "stop")
 GOLDEN_TEXT = {name: (GOLDEN / f"{name}.json").read_text() for name in INBOUND}
 GOLDEN_TREE = {name: json.loads(text) for name, text in GOLDEN_TEXT.items()}

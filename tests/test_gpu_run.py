@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+
+REPO = REPO
 SCRIPT = REPO / "bench" / "gpu_batching.sh"
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
-from twilio_client import FakeTwilioCall
 
 from gateway.tts.batched import BatchedQwenEngine, batch_buckets
 from gateway.tts.graphs import StandInGraph
+from tests.support.servers import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
+from tests.support.twilio_client import FakeTwilioCall
 
 
 @pytest.fixture(scope="module")

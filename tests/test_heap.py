@@ -11,11 +11,11 @@ import gc
 from collections.abc import Iterator, Sequence
 
 import pytest
-from conftest import serve
 
 from gateway import heap
 from gateway.tts.engine import Engine
 from gateway.tts.simulated import DeviceProfile, SimulatedEngine
+from tests.support.servers import serve
 
 #: A simulated device that takes no time: the gateway around it is what is under test.
 _INSTANT = DeviceProfile(name="instant", device="none", model="none", source="a test",

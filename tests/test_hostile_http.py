@@ -28,17 +28,18 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import httpx
-import local_http
 import pytest
 import uvicorn
-from conftest import AUTH_TOKEN, LiveServer, _free_socket, _server
 from twilio.request_validator import RequestValidator
-from twilio_client import FakeTwilioCall
 
 from gateway.app import create_app
 from gateway.call import TransferTo
 from gateway.config import Settings
 from gateway.http_limits import MAX_HEADER_BYTES, server_limits
+from tests.support import local_http
+from tests.support.net import free_socket
+from tests.support.servers import AUTH_TOKEN, LiveServer, uvicorn_server
+from tests.support.twilio_client import FakeTwilioCall
 
 TIMEOUT_S = 2.0
 MAX_BODY = 64 * 1024
@@ -49,7 +50,7 @@ FORM = {"CallSid": "CA" + "1" * 32, "From": "+15550001111", "To": "+15550002222"
 @contextlib.contextmanager
 def production_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
     """The app behind the uvicorn settings ``gateway serve`` uses, with a 2 s request timeout."""
-    sock = _free_socket()
+    sock = free_socket()
     port = sock.getsockname()[1]
     base_url = f"http://127.0.0.1:{port}"
     settings = Settings(twilio_auth_token=AUTH_TOKEN, public_url=base_url,  # type: ignore[arg-type]
@@ -59,7 +60,7 @@ def production_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
     config = uvicorn.Config(app, log_level="warning", ws_max_size=settings.ws_max_size,
                             lifespan="on", **server_limits(settings))
     listening = threading.Event()
-    server = _server(config, listening.set)
+    server = uvicorn_server(config, listening.set)
     gateway = app.state.gateway
     settled = threading.Event()
     gateway.readiness.when_settled(settled.set)

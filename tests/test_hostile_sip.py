@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO_SCRIPT, LiveServer, serve
-from sip_peers import wait_until as _wait
 
 from gateway.sip import uas as uas_module
 from gateway.sip.message import SipParseError, SipResponse, parse_message
 from gateway.sip.rtp import RtpPacket, RtpSender, TelephoneEvent
 from gateway.sip.sdp import parse_sdp
+from tests.support.paths import DEMO_SCRIPT
+from tests.support.servers import LiveServer, serve
+from tests.support.waiting import wait_until as _wait
 
 MAX_CALLS = 4
 ATTACKER_IP = "127.0.0.2"

@@ -21,7 +21,6 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 import hcl2
@@ -29,8 +28,9 @@ import pytest
 from pydantic import SecretStr
 
 from gateway.config import Settings
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 INFRA = ROOT / "infra"
 
 # python-hcl2 >= 8: strings without their quotes, blocks as plain lists of dicts, no comments.

@@ -12,8 +12,9 @@ import pytest
 from gateway.cli import main
 from gateway.ivr.cases import load_cases, run_case
 from gateway.ivr.script import ScriptError, load_script, parse_script
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 DEMO = ROOT / "prompts" / "demo.yaml"
 DEMO_CASES = ROOT / "prompts" / "demo.cases.yaml"
 

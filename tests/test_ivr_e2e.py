@@ -21,11 +21,11 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from conftest import AUTH_TOKEN, LiveServer, VirtualServer
 from twilio.request_validator import RequestValidator
-from twilio_client import FakeTwilioCall
 
 from gateway.call import Utterance
+from tests.support.servers import AUTH_TOKEN, LiveServer, VirtualServer
+from tests.support.twilio_client import FakeTwilioCall
 
 
 @pytest.fixture(scope="module")

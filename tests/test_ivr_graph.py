@@ -11,8 +11,9 @@ import pytest
 from gateway.cli import main
 from gateway.ivr.graph import flow_graph
 from gateway.ivr.script import load_script, parse_script
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 DEMO = ROOT / "prompts" / "demo.yaml"
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -7,9 +7,9 @@ from datetime import date, datetime
 from zoneinfo import ZoneInfo
 
 import pytest
-from clocks import VirtualClock
 
 from gateway.ivr.hours import HoursError, Schedule, parse_days, parse_ranges
+from tests.support.clocks import VirtualClock
 
 NY = ZoneInfo("America/New_York")
 

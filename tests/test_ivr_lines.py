@@ -23,10 +23,12 @@ from gateway.ivr.lines import (
     stamp,
 )
 from gateway.ivr.script import ScriptError
+from tests.support.paths import GOLDEN as GOLDEN_ROOT
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 PROMPTS = ROOT / "prompts"
-GOLDEN = Path(__file__).resolve().parent / "golden" / "scripts"
+GOLDEN = GOLDEN_ROOT / "scripts"
 
 SMALL = """\
 name: {name}

@@ -30,8 +30,9 @@ from gateway.speech import Speaker
 from gateway.speech import Voice as SpeechVoice
 from gateway.text import LexiconEntry, Reader, Reading
 from gateway.tts.engine import SpeechRequest
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 SCRIPT = """\
 name: acme

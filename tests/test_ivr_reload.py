@@ -24,19 +24,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import local_http
 import pytest
-from clocks import until
-from conftest import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
-from gateway_process import GatewayProcess
-from sip_peers import wait_until
-from twilio_client import FakeTwilioCall
 
 from gateway.call import HangUp
 from gateway.call.session import Call, Utterance
 from gateway.cli import main
+from tests.support.gateway_process import GatewayProcess
+from tests.support.metrics import metric
+from tests.support.paths import REPO
+from tests.support.servers import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
+from tests.support.twilio_client import FakeTwilioCall
+from tests.support.waiting import until, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 DEMO = ROOT / "prompts" / "demo.yaml"
 
 OUTAGES = """\
@@ -345,9 +345,7 @@ async def test_a_reload_with_calls_up_lets_each_call_finish_on_its_version(
 
 
 def _metric(process: GatewayProcess, name: str) -> float:
-    text = local_http.get(f"{process.base_url}/metrics", timeout=5).text
-    match = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+    return metric(process.base_url, name, default=0.0)
 
 
 def _wait_metric(process: GatewayProcess, name: str, value: float, timeout: float = 120) -> None:

@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from clocks import VirtualClock
 
 from gateway.audio.condition import Conditioning
 from gateway.call import (
@@ -39,8 +38,10 @@ from gateway.speech import Speaker, Voice
 from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.engine import Engine, SpeechRequest
 from gateway.tts.service import SpeechService
+from tests.support.clocks import VirtualClock
+from tests.support.paths import DEMO_SCRIPT
 
-DEMO = Path(__file__).resolve().parent.parent / "prompts" / "demo.yaml"
+DEMO = DEMO_SCRIPT
 
 
 #: A far end that plays everything at once: all frames go out now, every mark echoes back.

@@ -8,9 +8,11 @@ import pytest
 
 from gateway.cli import main
 from gateway.ivr.script import ScriptError, load_script, parse_script, render, template_variables
+from tests.support.paths import GOLDEN as GOLDEN_ROOT
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = Path(__file__).parent / "golden" / "scripts"
+ROOT = REPO
+GOLDEN = GOLDEN_ROOT / "scripts"
 
 
 def test_the_demo_script_is_valid() -> None:
@@ -193,9 +195,8 @@ def test_the_gateway_refuses_a_script_in_a_language_its_model_does_not_speak(
 ) -> None:
     """Scripts validate against the published languages; the loaded model's own list is
     checked before the gateway takes calls."""
-    from conftest import serve
-
     from gateway.app import default_engine_factory
+    from tests.support.servers import serve
 
     def english_only(settings):  # type: ignore[no-untyped-def]
         engines = default_engine_factory(settings)

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
-from clocks import VirtualClock
 
 from gateway.asr.base import Encoding, MatchStatus, RecognitionResult
 from gateway.asr.grammar import SpeechGrammar
@@ -27,6 +26,7 @@ from gateway.ivr.cases import InstantTransport, SilentSpeaker
 from gateway.ivr.runner import IvrRunner, RunnerContext
 from gateway.ivr.script import Script, parse_script
 from gateway.metrics import Metrics
+from tests.support.clocks import VirtualClock
 
 SCRIPT = """
 name: speech test

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
 from twilio.request_validator import RequestValidator
-from twilio_client import FakeTwilioCall
+
+from tests.support.servers import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
+from tests.support.twilio_client import FakeTwilioCall
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,16 @@ from typing import Any
 
 import pytest
 import uvicorn
-from conftest import AUTH_TOKEN, DEMO_SCRIPT, LiveServer, serve
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response
-from sip_peers import wait_until
 
 from gateway.cli import main
 from gateway.loadsim.model import evaluate, parse_slo
 from gateway.loadsim.runner import LoadConfig, run_level
 from gateway.tts.batched import BatchedQwenEngine
+from tests.support.paths import DEMO_SCRIPT, REPO
+from tests.support.servers import AUTH_TOKEN, LiveServer, serve
+from tests.support.waiting import until, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -772,12 +773,12 @@ async def test_at_a_sip_barge_in_the_gateway_marks_the_new_talkspurt_and_nothing
     try:
         await caller.call((host, int(port)), timeout_s=10)
         assert caller.answered_at is not None
-        first = await _until(lambda: caller.first_audio_after(caller.answered_at), 10)
+        first = await until(lambda: caller.first_audio_after(caller.answered_at), 10, every=0.01)
         # Mid-prompt: speech has been arriving for 300 ms and still is.
-        await _until(lambda: (caller.rtp.speaking_at(time.monotonic())
-                              and time.monotonic() > first + 0.3) or None, 10)
+        await until(lambda: (caller.rtp.speaking_at(time.monotonic())
+                             and time.monotonic() > first + 0.3) or None, 10, every=0.01)
         pressed = await caller.send_dtmf("9")
-        answered = await _until(lambda: caller.utterance_after(pressed), 10)
+        answered = await until(lambda: caller.utterance_after(pressed), 10, every=0.01)
         log = caller.rtp
         start = next(i for i, at in enumerate(log.arrivals) if at > pressed)
         cuts = [i for i in range(len(log.arrivals)) if log.cuts[i]]
@@ -794,16 +795,6 @@ async def test_at_a_sip_barge_in_the_gateway_marks_the_new_talkspurt_and_nothing
     finally:
         await caller.hangup()
         await caller.aclose()
-
-
-async def _until(probe: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 _WITHOUT_EXTRA = """
@@ -828,7 +819,7 @@ def test_the_gateway_needs_no_loadsim_extra_and_loadsim_says_how_to_install_it()
     import sys
     import tomllib
 
-    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
     core = " ".join(project["project"]["dependencies"])
     assert "matplotlib" not in core and "jinja2" not in core
     extra = " ".join(project["project"]["optional-dependencies"]["loadsim"])

@@ -17,14 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import AUTH_TOKEN, LiveServer, serve
-from sip_peers import free_port
 
 from gateway.cli import main
 from gateway.loadsim.model import DEFAULT_LATENCY_BOUND_MS, CallRecord, Level, Turn
 from gateway.loadsim.runner import LoadConfig, new_call_sid, run_level, think_time
+from tests.support.net import free_port
+from tests.support.paths import REPO
+from tests.support.servers import AUTH_TOKEN, LiveServer, serve
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 LINES = ROOT / "prompts" / "lines.yaml"
 
 

@@ -12,7 +12,6 @@ import random
 
 import numpy as np
 import pytest
-from clocks import VirtualClock
 
 from gateway.audio.g711 import ulaw_encode
 from gateway.loadsim.cli import capacity_clauses, cost_per_million
@@ -29,6 +28,7 @@ from gateway.loadsim.twiml import (
     parse_voice_answer,
 )
 from gateway.sip.rtp import RtpPacket, RtpSender
+from tests.support.clocks import VirtualClock
 
 # --- the simulated callers' 20 ms clock -------------------------------------------------------
 

@@ -12,7 +12,6 @@ import asyncio
 import itertools
 import struct
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -20,7 +19,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sip_peers import Baresip
 
 from gateway.audio.g711 import ulaw_encode
 from gateway.loadsim.sip_caller import (
@@ -36,6 +34,8 @@ from gateway.loadsim.sip_caller import (
 from gateway.sip.message import SipParseError, SipResponse, parse_message
 from gateway.sip.rtp import RtpError, RtpPacket, seq_diff, ts_diff
 from gateway.sip.sdp import SdpError
+from tests.support.sip_peers import Baresip
+from tests.support.waiting import never, until
 
 T = TypeVar("T")
 RATE = 8000
@@ -60,16 +60,6 @@ def ulaw_frames(pcm: np.ndarray) -> list[bytes]:
     return [codes[i : i + FRAME_SAMPLES] for i in range(0, len(codes), FRAME_SAMPLES)]
 
 
-async def until(probe: Callable[[], T | None], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value is not None:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 async def event(phone: Baresip, kind: str, timeout: float = 5) -> dict[str, Any]:
     return await asyncio.to_thread(phone.wait_event, kind, timeout)
 
@@ -91,12 +81,15 @@ async def test_call_to_baresip_measures_setup_speech_dtmf_and_hangup(tmp_path: P
             caller.play(ulaw_frames(tone(0.5, hz=440)))  # what baresip should hear from us
 
             answered = caller.answered_at
-            first = await until(lambda: caller.first_audio_after(answered), 3, "first burst")
+            first = await until(lambda: caller.first_audio_after(answered),
+                                3, "first burst", every=0.01)
             # baresip's file starts with 0.6 s of silence when the call is established.
             assert 0.4 < first - answered < 1.2
-            stopped = await until(lambda: caller.stream_stopped_after(first), 3, "burst end")
+            stopped = await until(lambda: caller.stream_stopped_after(first),
+                                  3, "burst end", every=0.01)
             assert 0.3 < stopped - first < 0.5  # a 0.4 s burst
-            second = await until(lambda: caller.first_audio_after(stopped), 3, "second burst")
+            second = await until(lambda: caller.first_audio_after(stopped),
+                                 3, "second burst", every=0.01)
             assert 0.5 < second - stopped < 0.7  # 0.6 s of silence between bursts
             burst = caller.playout(first - 0.001, stopped)
             assert burst.start == first
@@ -140,15 +133,15 @@ async def test_baresip_hangs_up_first(tmp_path: Path) -> None:
         async with SipCaller() as caller:
             await caller.call(("127.0.0.1", phone.sip_port), user="tester", timeout_s=5)
             await event(phone, "CALL_ESTABLISHED")
-            await asyncio.sleep(0.2)
+            await until(lambda: caller.packets_sent >= 10, 3, "our media flowing", every=0.01)
             asked = time.monotonic()
             phone.hangup()
-            hung_up = await until(lambda: caller.remote_hangup_at, 3, "baresip's BYE")
+            hung_up = await until(lambda: caller.remote_hangup_at, 3, "baresip's BYE", every=0.01)
             assert 0 < hung_up - asked < 1
             await event(phone, "CALL_CLOSED")
             sent = caller.packets_sent
-            await asyncio.sleep(0.1)
-            assert caller.packets_sent == sent  # our media stopped with the BYE
+            # Our media stopped with the BYE: not one more 20 ms packet over five packet times.
+            await never(lambda: caller.packets_sent != sent, 0.1, "RTP sent after the BYE")
             assert await caller.hangup() is None  # nothing left to end
             assert caller.requests_received == {"BYE": 1}
             assert caller.errors == []
@@ -161,7 +154,7 @@ async def test_refer_is_accepted_and_reported_failed_options_answered(tmp_path: 
             await event(phone, "CALL_ESTABLISHED")
             assert caller.local_sip is not None
             phone.command("options", f"sip:loadsim@127.0.0.1:{caller.local_sip[1]}")
-            await until(lambda: caller.requests_received.get("OPTIONS"), 3, "OPTIONS")
+            await until(lambda: caller.requests_received.get("OPTIONS"), 3, "OPTIONS", every=0.01)
             phone.command("transfer", "sip:agent@127.0.0.1:5099")
             failed = await event(phone, "TRANSFER_FAILED")
             assert failed["param"] == "503 Service Unavailable"  # our NOTIFY's sipfrag
@@ -175,8 +168,10 @@ async def test_rejected_call_fails_clearly_and_is_acked(tmp_path: Path) -> None:
             with pytest.raises(CallFailed) as failed:
                 await caller.call(("127.0.0.1", phone.sip_port), user="nobody", timeout_s=5)
             assert failed.value.status == caller.status == 404
-            await asyncio.sleep(1.2)  # baresip retransmits its 404 at +0.5 s unless ACKed
-            assert caller.final_retransmits == 0, caller.errors
+            # baresip retransmits its 404 at +0.5 s (T1), then +1.5 s, unless ACKed: watched
+            # past the first retransmission, failing as soon as one comes.
+            await never(lambda: caller.final_retransmits, 1.2,
+                        f"the 404 retransmitted (not ACKed): {caller.errors}")
             assert caller.errors == []
 
 
@@ -339,7 +334,7 @@ async def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
             media.send(
                 RtpPacket(0, 100 + n, 1000 + 160 * n, 42, speech).serialize(), caller.local_rtp
             )
-        await until(lambda: caller.rtp.packets == 5 or None, 2, "our RTP at the caller")
+        await until(lambda: caller.rtp.packets == 5 or None, 2, "our RTP at the caller", every=0.01)
         assert caller.rtp.sources == [("127.0.0.1", media.port)] and caller.rtp.lost == 0
         assert caller.first_audio_after(0) == caller.rtp.arrivals[0]
 

@@ -26,7 +26,6 @@ from dataclasses import replace
 import numpy as np
 import numpy.typing as npt
 import pytest
-from clocks import VirtualClock
 
 from gateway.audio.condition import Conditioning
 from gateway.audio.g711 import ulaw_encode
@@ -38,6 +37,7 @@ from gateway.loadsim.twilio_caller import Heard
 from gateway.metrics import Metrics
 from gateway.sip.endpoint import RTP_PLAYOUT
 from gateway.twilio.session import TwilioConfig
+from tests.support.clocks import VirtualClock
 
 SILENCE = b"\xff" * 160
 AUDIO = b"\x10" * 160

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import AUTH_TOKEN, LiveServer
-from readme_samples import ROOT, Documented, documented_commands, mismatch, shape
 
 from gateway.cli import main
+from tests.support.readme_samples import ROOT, Documented, documented_commands, mismatch, shape
+from tests.support.servers import AUTH_TOKEN, LiveServer
 
 COMMANDS = documented_commands()
 

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from gateway.cli import main
 from gateway.config import Settings, settings_error
+from tests.support.paths import TESTS
 
 BAD = [
     ("GATEWAY_SIP", "5060", "host:port"),
@@ -42,7 +43,7 @@ BAD = [
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("GATEWAY_SIP", "GATEWAY_SIP_ALLOW", "GATEWAY_RTP_PORTS", "GATEWAY_SIP_USERS"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(Path(__file__).parent)  # no stray .env file
+    monkeypatch.chdir(TESTS)  # no stray .env file
 
 
 @pytest.mark.parametrize(("variable", "value", "words"), BAD)

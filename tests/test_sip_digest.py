@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import pytest
-from clocks import ManualClock
 
 from gateway.sip.digest import DigestAuthenticator, parse_credentials
 from gateway.sip.message import SipRequest, parse_message
+from tests.support.clocks import ManualClock
+from tests.support.paths import GOLDEN as GOLDEN_ROOT
 
-GOLDEN = Path(__file__).parent / "golden" / "sip"
+GOLDEN = GOLDEN_ROOT / "sip"
 SECRET = b"0123456789abcdef-server-secret"
 USERS = {"tester": "s3cret", "alice": "wonderland"}
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from clocks import until
-from conftest import LiveServer, VirtualServer
-from sip_peers import Baresip, run_sipp
-from sip_peers import wait_until as _wait
 
 from gateway.call import HangUp, TransferTo
 from gateway.sip.endpoint import RTP_PLAYOUT
+from tests.support.servers import LiveServer, VirtualServer
+from tests.support.sip_peers import Baresip, run_sipp
+from tests.support.waiting import until
+from tests.support.waiting import wait_until as _wait
 
 
 @pytest.fixture(scope="module")
@@ -255,8 +255,8 @@ class TwilioCaller:
     """The scenario's caller over Twilio Media Streams (the test Twilio client)."""
 
     def __init__(self, live: LiveServer | VirtualServer, n: int) -> None:
-        from conftest import AUTH_TOKEN
-        from twilio_client import FakeTwilioCall
+        from tests.support.servers import AUTH_TOKEN
+        from tests.support.twilio_client import FakeTwilioCall
 
         self.live = live
         self.fake = FakeTwilioCall(
@@ -475,8 +475,11 @@ def test_a_caller_that_keeps_sending_rtp_outlives_the_rtp_timeout(
         phone.dial(f"sip:ivr@{host}:{port}")
         phone.wait_event("CALL_ESTABLISHED")
         media = _wait(lambda: next(iter(endpoint.media.values()), None))
-        _wait(lambda: media.stats.received > 0, 10)
-        time.sleep(3 * RTP_TIMEOUT_S)
+        start = _wait(lambda: media.stats.received, 10)
+        # Three timeouts' worth of baresip's 20 ms packets arriving (not a sleep): the call is
+        # held that long by packets alone; a timeout on the way ends the wait at once.
+        _wait(lambda: media.stats.received >= start + 3 * RTP_TIMEOUT_S / 0.020
+              or media.timed_out, 30, "three RTP timeouts of packets")
         assert endpoint.media.get(media.key) is media and not media.timed_out
         assert media.stats.received > 100
         phone.hangup()

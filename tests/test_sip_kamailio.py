@@ -29,15 +29,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import local_http
 import pytest
-from gateway_process import GatewayProcess
-from sip_peers import SippResult, free_port, run_sipp
-from sip_peers import wait_until as _wait
+
+from tests.support.gateway_process import GatewayProcess
+from tests.support.metrics import metric
+from tests.support.net import free_port
+from tests.support.paths import REPO
+from tests.support.sip_peers import SippResult, run_sipp
+from tests.support.waiting import wait_until as _wait
 
 pytestmark = pytest.mark.slow
 
-INFRA = Path(__file__).resolve().parent.parent / "infra" / "sip"
+INFRA = REPO / "infra" / "sip"
 def sip_options(port: int, timeout: float = 1.0) -> int | None:
     """One OPTIONS over UDP to 127.0.0.1:``port``: the final status code, None without one."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -149,10 +152,8 @@ class Kamailio:
 
 
 def _calls_total(gateway: GatewayProcess) -> float:
-    text = local_http.get(f"{gateway.base_url}/metrics", timeout=5).text
     # Summed over the line label (these gateways run the greeter: one line, "default").
-    found = re.findall(r'^gateway_calls_total\{[^}]*transport="sip"[^}]*\} (\S+)$', text, re.M)
-    return sum(float(value) for value in found)
+    return metric(gateway.base_url, "gateway_calls_total", default=0.0, transport="sip")
 
 
 def _calls(proxy: Kamailio, workdir: Path, cid: str, calls: int, hold_ms: int,

@@ -17,9 +17,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from clocks import LoopClock
-from clocks import until as _poll
-from conftest import virtual_loop
 
 from gateway.audio.g711 import ulaw_encode
 from gateway.call import Admission, Call, CallLifecycle, CallRegistry, Hangup, Utterance
@@ -30,6 +27,9 @@ from gateway.readiness import Readiness
 from gateway.sip.endpoint import MAX_DIGITS, RTP_PLAYOUT, SipEndpoint, SipMedia
 from gateway.sip.rtp import RtpPacket, seq_diff, ts_diff
 from gateway.sip.uas import UasConfig
+from tests.support.clocks import LoopClock
+from tests.support.servers import virtual_loop
+from tests.support.waiting import until as _poll
 
 
 def _prompt(seconds: float, seed: int = 0) -> np.ndarray:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,8 +30,10 @@ from gateway.sip.message import (
     response_to,
     stamp_via,
 )
+from tests.support.paths import GOLDEN as GOLDEN_ROOT
+from tests.support.sip_messages import assert_round_trips
 
-GOLDEN = Path(__file__).parent / "golden" / "sip"
+GOLDEN = GOLDEN_ROOT / "sip"
 GOLDEN_FILES = sorted(p.name for p in GOLDEN.glob("*.sip"))
 
 #: Examples for the any-bytes fuzz test; SIP_FUZZ_EXAMPLES=100000 for a long soak.
@@ -41,27 +42,6 @@ FUZZ_EXAMPLES = int(os.environ.get("SIP_FUZZ_EXAMPLES", "2000"))
 
 def golden(name: str) -> bytes:
     return (GOLDEN / name).read_bytes()
-
-
-def without_length(headers: Headers) -> list[tuple[str, str]]:
-    return [(n.lower(), v) for n, v in headers if n.lower() != "content-length"]
-
-
-def assert_round_trips(message: SipRequest | SipResponse) -> None:
-    """serialize -> parse keeps start line, headers and body; serialize is a fixed point."""
-    wire = message.serialize()
-    again = parse_message(wire)
-    assert type(again) is type(message)
-    if isinstance(message, SipRequest):
-        assert isinstance(again, SipRequest)
-        assert (again.method, again.uri) == (message.method, message.uri)
-    else:
-        assert isinstance(again, SipResponse)
-        assert (again.status, again.reason) == (message.status, message.reason)
-    assert without_length(again.headers) == without_length(message.headers)
-    assert again.body == message.body
-    assert again.headers.get("Content-Length") == str(len(message.body))
-    assert again.serialize() == wire
 
 
 def base_request(*, drop: str = "", extra: str = "", method: str = "INVITE",

@@ -3,8 +3,6 @@ rejected streams, strictness, fuzzing."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,8 +19,9 @@ from gateway.sip.sdp import (
     negotiate,
     parse_sdp,
 )
+from tests.support.paths import GOLDEN as GOLDEN_ROOT
 
-GOLDEN = Path(__file__).parent / "golden" / "sip"
+GOLDEN = GOLDEN_ROOT / "sip"
 
 
 def body_of(name: str) -> bytes:

@@ -30,9 +30,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import AUTH_TOKEN, DEMO_SCRIPT, LiveServer, backend, serve
 from twilio.request_validator import RequestValidator
-from twilio_client import FakeTwilioCall
+
+from tests.support.paths import DEMO_SCRIPT
+from tests.support.servers import AUTH_TOKEN, LiveServer, backend, serve
+from tests.support.twilio_client import FakeTwilioCall
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(3600)]
 

@@ -26,13 +26,14 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import AUTH_TOKEN
-from readme_samples import documented_commands, mismatch
 
 from gateway.audio.g711 import ulaw_encode
 from gateway.softphone import Keyboard, Playout, Speakers, sip_address
+from tests.support.paths import REPO
+from tests.support.readme_samples import documented_commands, mismatch
+from tests.support.servers import AUTH_TOKEN
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 
 def _tone(frames: int, amplitude: int = 8000) -> bytes:

@@ -16,7 +16,6 @@ falls back to keys with a logged reason.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
@@ -24,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clocks import until
-from conftest import AUTH_TOKEN, VirtualServer, _built_once
 
 from gateway.call import Call, HangUp, TransferTo
+from tests.support.builds import built_once
+from tests.support.servers import VirtualServer
+from tests.support.speech_callers import SipCaller, TwilioCaller, ivr_trace, recognizer_swapped
+from tests.support.waiting import until
 
 #: What callers say (text, flite voice). Synthesised once per run into ``<name>.ulaw``.
 UTTERANCES = {
@@ -51,7 +52,7 @@ def _synthesise(directory: Path) -> None:
 
 @pytest.fixture(scope="session")
 def said(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
-    directory = _built_once(tmp_path_factory, "speech-utterances", _synthesise)
+    directory = built_once(tmp_path_factory, "speech-utterances", _synthesise)
     return {name: (directory / f"{name}.ulaw").read_bytes() for name in UTTERANCES}
 
 
@@ -63,59 +64,6 @@ def ivr(demo_virtual: tuple[VirtualServer, list[Any]]) -> VirtualServer:
     return live
 
 
-
-
-class TwilioCaller:
-    def __init__(self, live: VirtualServer, n: int) -> None:
-        from twilio_client import FakeTwilioCall
-
-        self.fake = FakeTwilioCall(live.ws_url, AUTH_TOKEN, call_sid=f"CA{n:032d}",
-                                   stream_sid=f"MZ{n:032d}", playback_speed=20)
-
-    async def start(self) -> None:
-        await self.fake.connect()
-        await self.fake.start({"From": "+15550001111"})
-
-    def say(self, ulaw: bytes) -> None:
-        self.fake.speak(ulaw)
-
-    async def press(self, keys: str) -> None:
-        for key in keys:
-            await self.fake.send_dtmf(key)
-            await asyncio.sleep(0.05)
-
-    async def ended(self) -> None:
-        await until(lambda: self.fake.closed.is_set(), 30)
-
-    async def close(self) -> None:
-        await self.fake.close()
-
-
-class SipCaller:
-    def __init__(self, live: VirtualServer, n: int) -> None:
-        from gateway.loadsim.sip_caller import SipCaller as Phone
-
-        self.live = live
-        self.phone = Phone(caller_id=f"speaker{n}", clock=asyncio.get_running_loop().time)
-
-    async def start(self) -> None:
-        endpoint = self.live.gateway.sip
-        assert endpoint is not None and endpoint.local_addr is not None
-        await self.phone.call(endpoint.local_addr, user="ivr")
-
-    def say(self, ulaw: bytes) -> None:
-        self.phone.play(ulaw[i:i + 160] for i in range(0, len(ulaw) - 159, 160))
-
-    async def press(self, keys: str) -> None:
-        for key in keys:
-            await self.phone.send_dtmf(key)
-            await asyncio.sleep(0.05)
-
-    async def ended(self) -> None:
-        await until(lambda: self.phone.remote_hangup_at is not None, 30)
-
-    async def close(self) -> None:
-        await self.phone.aclose()
 
 
 SCENARIOS: dict[str, list[tuple[str, str]]] = {
@@ -150,30 +98,13 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
 @pytest.fixture(scope="module")
 def broken_recognizer(ivr: VirtualServer) -> Iterator[Any]:
     """A recogniser pool whose every turn fails (in its worker process), started once."""
-    import asr_fakes
-
     from gateway.asr.pool import RecognizerPool
+    from tests.support import asr_fakes
 
     pool = RecognizerPool(asr_fakes.Broken, workers=1, timeout_s=10)
     ivr.run(pool.start())
     yield pool
     ivr.run(pool.close())
-
-
-@contextlib.contextmanager
-def _recognizer(live: VirtualServer, pool: Any) -> Iterator[None]:
-    """The demo's recogniser swapped for ``pool`` for the block."""
-    switchboard = live.gateway.switchboard
-    assert switchboard is not None
-    contexts = list(switchboard.version.contexts.values())
-    originals = [context.recognizer for context in contexts]
-    for context in contexts:
-        context.recognizer = pool
-    try:
-        yield
-    finally:
-        for context, original in zip(contexts, originals, strict=True):
-            context.recognizer = original
 
 
 SCENARIOS["a recogniser failure falls back to keys with a logged reason"] = [
@@ -195,10 +126,11 @@ def test_speech_menus_on_every_transport(request: pytest.FixtureRequest, ivr: Vi
     failing = name.startswith("a recogniser failure")
     with contextlib.ExitStack() as stack:
         if failing:
-            stack.enter_context(_recognizer(ivr, request.getfixturevalue("broken_recognizer")))
+            broken = request.getfixturevalue("broken_recognizer")
+            stack.enter_context(recognizer_swapped(ivr, broken))
         with caplog.at_level(logging.INFO):
             call = ivr.run(_scenario(ivr, said, name, transport))
-    trace = _trace(caplog, call.call_id)
+    trace = ivr_trace(caplog, call.call_id)
     heard = trace["speech"]
     if failing:
         assert [h["result"] for h in heard] == ["failed"]
@@ -257,11 +189,3 @@ async def _scenario(live: VirtualServer, said: dict[str, bytes], name: str,
         await caller.close()
     await until(lambda: call.call_id not in registry, 30)
     return call
-
-
-def _trace(caplog: pytest.LogCaptureFixture, call_id: str) -> dict[str, Any]:
-    for record in caplog.records:
-        data = getattr(record, "data", None)
-        if record.getMessage() == "ivr trace" and data and data["trace"]["call_id"] == call_id:
-            return data["trace"]  # type: ignore[no-any-return]
-    raise AssertionError(f"no ivr trace for {call_id}")

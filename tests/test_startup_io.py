@@ -15,15 +15,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import local_http
 import numpy as np
 import pytest
 import soundfile as sf
 import uvicorn
-from conftest import _free_socket, _server, _settings
 
 from gateway.ivr.cache import PromptCache
 from gateway.sip.message import build_request, new_branch, new_call_id, new_tag, parse_message
+from tests.support import local_http
+from tests.support.net import free_socket
+from tests.support.servers import gateway_settings, uvicorn_server
 
 SCRIPT = """\
 name: start-up
@@ -83,9 +84,9 @@ def test_start_up_disk_work_runs_off_the_loop_and_the_gateway_keeps_answering(
 
         monkeypatch.setattr(PromptCache, name, spy)
 
-    sock = _free_socket()
+    sock = free_socket()
     port = sock.getsockname()[1]
-    settings = _settings(f"http://127.0.0.1:{port}", {
+    settings = gateway_settings(f"http://127.0.0.1:{port}", {
         "model": str(tiny_model_dir), "script": str(tmp_path / "ivr.yaml"),
         "cache_dir": str(tmp_path / "cache"), "sip": "127.0.0.1:0",
         "sip_allow": "127.0.0.1/32", "rtp_ports": "27500-27519"})
@@ -93,7 +94,7 @@ def test_start_up_disk_work_runs_off_the_loop_and_the_gateway_keeps_answering(
     gateway = app.state.gateway
     listening, settled = threading.Event(), threading.Event()
     gateway.readiness.when_settled(settled.set)
-    server = _server(uvicorn.Config(app, log_level="warning", lifespan="on"), listening.set)
+    server = uvicorn_server(uvicorn.Config(app, log_level="warning", lifespan="on"), listening.set)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

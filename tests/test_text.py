@@ -4,7 +4,6 @@ language, the free-text normaliser, templates, the lexicon and a line's reader."
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +16,10 @@ from gateway.text.languages import default_region, language, language_code
 from gateway.text.lexicon import compile_entry
 from gateway.text.sayas import say_as, unsupported
 from gateway.text.template import MAX_VALUE_CHARS, Slot, TemplateError, parse
+from tests.support.paths import GOLDEN as GOLDEN_ROOT
+from tests.support.paths import REPO
 
-GOLDEN = Path(__file__).parent / "golden" / "text"
+GOLDEN = GOLDEN_ROOT / "text"
 SAYAS = yaml.safe_load((GOLDEN / "sayas.yaml").read_text(encoding="utf-8"))
 FREE_TEXT = yaml.safe_load((GOLDEN / "free_text.yaml").read_text(encoding="utf-8"))
 
@@ -283,7 +284,7 @@ def test_readers_compare_by_what_they_do() -> None:
 
 # --- the README's examples ----------------------------------------------------------------------
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+README = (REPO / "README.md").read_text(encoding="utf-8")
 
 
 def test_the_readmes_table_of_types_reads_as_it_says() -> None:

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from clocks import ManualClock
 
 from gateway.errors import EngineError
 from gateway.metrics import Metrics
@@ -26,6 +25,7 @@ from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.engine import SAMPLES_PER_FRAME, EngineRow, SpeechRequest
 from gateway.tts.qwen import QwenModel
 from gateway.tts.service import SpeechService, SpeechStream
+from tests.support.clocks import ManualClock
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from clocks import ManualClock
 
 from gateway.tts.chunking import FRAME_S, ChunkPlanner
+from tests.support.clocks import ManualClock
 
 
 def _play(planner: ChunkPlanner, clock: ManualClock, per_frame_s: float,

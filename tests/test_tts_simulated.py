@@ -14,13 +14,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
-from twilio_client import FakeTwilioCall
 
 from gateway.errors import ConfigError
 from gateway.tts.engine import SAMPLES_PER_FRAME, SpeechRequest
 from gateway.tts.service import SpeechService
 from gateway.tts.simulated import DeviceProfile, SimulatedEngine, load_profile
+from tests.support.servers import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
+from tests.support.twilio_client import FakeTwilioCall
 
 FAST = DeviceProfile(name="fast", device="test device", model="none", source="a test",
                      step_base_ms=2.0, step_per_row_ms=0.5, step_per_row_key_ms=1.0,

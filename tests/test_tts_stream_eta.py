@@ -8,11 +8,11 @@ import asyncio
 
 import numpy as np
 import pytest
-from clocks import VirtualClock
 
 from gateway.tts.core import Outbox
 from gateway.tts.engine import SpeechRequest
 from gateway.tts.stream import EtaMargin, SpeechStream
+from tests.support.clocks import VirtualClock
 
 CHUNK = np.zeros(1920, dtype=np.float32)  # one 80 ms codec frame at 24 kHz
 

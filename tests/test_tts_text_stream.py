@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from clocks import ManualClock, until
 
 from gateway.errors import EngineError
 from gateway.tts.batched import BatchedQwenEngine, BatchRow
@@ -22,6 +21,8 @@ from gateway.tts.engine import SAMPLES_PER_FRAME, SpeechRequest
 from gateway.tts.qwen import QwenModel
 from gateway.tts.service import SpeechService
 from gateway.tts.simulated import DeviceProfile, SimulatedEngine
+from tests.support.clocks import ManualClock
+from tests.support.waiting import until
 
 TEXT = "Your balance is forty two dollars, due on March third. Anything else?"
 PIECES = ["Your", " balance is", " forty", " two dollars,", " due on March", " third.",

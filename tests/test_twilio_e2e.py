@@ -16,9 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from conftest import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
 from twilio.request_validator import RequestValidator
-from twilio_client import FakeTwilioCall
+
+from tests.support.servers import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
+from tests.support.twilio_client import FakeTwilioCall
 
 FORM = {"CallSid": "CA" + "1" * 32, "From": "+15550001111", "To": "+15550002222",
         "AccountSid": "AC" + "0" * 32, "Direction": "inbound"}

@@ -9,19 +9,19 @@ receives, and when, is all the watch looks at, and no test here waits in real ti
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import pytest
-from clocks import VirtualClock
 from starlette.websockets import WebSocketState
 
 from gateway.call import Admission, CallLifecycle, CallRegistry
 from gateway.metrics import Metrics
 from gateway.readiness import Readiness
 from gateway.twilio.session import Outcomes, TwilioConfig, TwilioSession
+from tests.support.clocks import VirtualClock
+from tests.support.paths import GOLDEN as GOLDEN_ROOT
 
-GOLDEN = Path(__file__).parent / "golden" / "twilio"
+GOLDEN = GOLDEN_ROOT / "twilio"
 IDLE_S = 0.3
 
 

@@ -12,11 +12,11 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from clocks import VirtualClock
 
 from gateway.call.events import HangUp
 from gateway.call.playout import Playout
 from gateway.twilio.session import MAX_OUTCOMES, Outcomes, TwilioConfig
+from tests.support.clocks import VirtualClock
 
 FRAME = b"\xff" * 160
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -30,8 +29,9 @@ from gateway.twilio.protocol import (
     Stop,
     StreamState,
 )
+from tests.support.paths import GOLDEN as GOLDEN_ROOT
 
-GOLDEN = Path(__file__).parent / "golden" / "twilio"
+GOLDEN = GOLDEN_ROOT / "twilio"
 SID = "MZXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX"
 
 

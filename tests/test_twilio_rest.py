@@ -22,43 +22,16 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
-from conftest import AUTH_TOKEN, LiveServer, serve
-from fake_twilio_api import FakeTwilioApi
 from twilio.request_validator import RequestValidator
-from twilio_client import FakeTwilioCall
+
+from tests.support.fake_twilio_api import FakeTwilioApi
+from tests.support.lines import write_transfer_line
+from tests.support.servers import AUTH_TOKEN, LiveServer, serve
+from tests.support.twilio_client import FakeTwilioCall
 
 pytestmark = pytest.mark.slow
 
 ACCOUNT_SID = "AC" + "a1" * 16
-
-#: A phone line that waits for a key (no prompts: nothing to render): 0 transfers to a number,
-#: 5 to a SIP URI, 9 hangs up.
-LINE = """\
-name: Transfer line
-voice: {speaker: ryan, language: English}
-start: menu
-nodes:
-  menu:
-    gather:
-      digits: 1
-      timeout: 60s
-      retries: 0
-      branch: {"0": agent, "5": sip_agent, "9": bye}
-      fallback: bye
-  agent:
-    transfer: "+15550100200"
-  sip_agent:
-    transfer: "sip:agent@pbx.example.com"
-  bye:
-    hangup: true
-"""
-
-
-def write_line(directory: Path) -> Path:
-    path = directory / "line.yaml"
-    path.write_text(LINE)
-    return path
-
 
 @pytest.fixture(scope="module")
 def api() -> Iterator[FakeTwilioApi]:
@@ -69,7 +42,7 @@ def api() -> Iterator[FakeTwilioApi]:
 @pytest.fixture(scope="module")
 def gateway(tiny_model_dir: Path, api: FakeTwilioApi,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    line = write_line(tmp_path_factory.mktemp("line"))
+    line = write_transfer_line(tmp_path_factory.mktemp("line"))
     with serve({"model": str(tiny_model_dir), "script": str(line), "cache_dir": "",
                 "max_calls": 2, "barge_in_on_speech": False,
                 "twilio_account_sid": ACCOUNT_SID, "twilio_api_base": api.url,

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import local_http
-from sip_peers import free_port
+
+from tests.support import local_http
+from tests.support.net import free_port
 
 
 class ForkedProcess:

@@ -12,15 +12,15 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import soundfile as sf
 
-SIPP_DIR = Path(__file__).parent / "sipp"
+from tests.support.net import free_port
+from tests.support.paths import SIPP_DIR
 
 
 def require(tool: str) -> str:
@@ -29,28 +29,6 @@ def require(tool: str) -> str:
         f"{tool} is not installed: apt-get install -y baresip-core sip-tester (.ci/run does)"
     )
     return path
-
-
-T = TypeVar("T")
-
-
-def wait_until(predicate: Callable[[], T | None], timeout: float = 20, what: str = "condition"
-               ) -> T:
-    """Poll ``predicate`` every 20 ms until it returns something truthy (returned) or
-    ``timeout`` seconds pass (AssertionError naming ``what``)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def free_port(kind: int = socket.SOCK_DGRAM, host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, kind) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

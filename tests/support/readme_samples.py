@@ -14,9 +14,10 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO
+
+ROOT = REPO
 README = ROOT / "README.md"
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

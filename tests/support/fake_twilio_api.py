@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from conftest import _server
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+
+from tests.support.servers import uvicorn_server
 
 T = TypeVar("T")
 
@@ -79,7 +80,7 @@ class FakeTwilioApi:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         started = threading.Event()
-        self._server = _server(uvicorn.Config(self._app(), log_level="warning"), started.set,
+        self._server = uvicorn_server(uvicorn.Config(self._app(), log_level="warning"), started.set,
                                quiet=True)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         daemon=True)

@@ -3,14 +3,15 @@
 - :class:`VirtualClock` (now in :mod:`gateway.clock`: the script tester runs on it too): time
   moves only when the test calls :meth:`VirtualClock.advance`; for tests that drive one
   component by hand (the IVR runner, admission, drain, the playout).
-- :class:`LoopClock`: the running event loop's time; with :class:`virtual_time.VirtualTimeLoop`
+- :class:`LoopClock`: the running event loop's time; with
+  :class:`~tests.support.virtual_time.VirtualTimeLoop`
   it makes a whole gateway, its peers and the test share one virtual time line.
 - :class:`ManualClock`: a :class:`VirtualClock` that a synchronous test sets by hand
   (``clock.t = 5.0``), or that moves ``step`` seconds on every reading; for components that
   only read the time (the pacer, the chunk planner, digest nonces, the engine core's thread).
 
-All implement :class:`gateway.clock.Clock`. :func:`until` polls a condition on loop time
-(virtual on a virtual loop), bounded in real time, for state with no event to wait on.
+All implement :class:`gateway.clock.Clock`. Waiting for a condition on loop time is
+:func:`tests.support.waiting.until`.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from typing import TypeVar
 
 from gateway.clock import VirtualClock, wait_for
 
-__all__ = ["LoopClock", "ManualClock", "VirtualClock", "until"]
+__all__ = ["LoopClock", "ManualClock", "VirtualClock"]
 
 T = TypeVar("T")
 
 
 class LoopClock:
     """A :class:`gateway.clock.Clock` on the event loop's own time (virtual in a
-    :class:`virtual_time.VirtualTimeLoop`)."""
+    :class:`~tests.support.virtual_time.VirtualTimeLoop`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -77,17 +78,3 @@ class ManualClock(VirtualClock):
     def now(self) -> float:
         self._now += self.step
         return self._now
-
-
-async def until(predicate: Callable[[], T], timeout: float = 20.0, what: str = "condition",
-                every: float = 0.02) -> T:
-    """``predicate()`` once it is truthy, polled every ``every`` s of loop time (virtual on a
-    virtual loop); gives up after ``timeout`` s of real time, a bound that a busy machine
-    never reaches, not a wait."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        await asyncio.sleep(every)
-    raise AssertionError(f"{what}: not met in {timeout:g} s")
