@@ -28,9 +28,9 @@ PACKAGE = ROOT / "gateway"
 
 #: Tests of the protocol cores that must run on an install without torch.
 PROTOCOL_TESTS = [
-    "test_sip_message.py", "test_sip_sdp.py", "test_sip_rtp.py", "test_sip_uas.py",
-    "test_sip_digest.py", "test_twilio_protocol.py", "test_audio_g711.py",
-    "test_audio_resample.py",
+    "tests/test_sip_message.py", "tests/test_sip_sdp.py", "tests/test_sip_rtp.py",
+    "tests/test_sip_uas.py", "tests/test_sip_digest.py", "tests/test_twilio_protocol.py",
+    "tests/test_audio_g711.py", "tests/test_audio_resample.py",
 ]
 PROTOCOL_MODULES = [
     "gateway.sip.message", "gateway.sip.sdp", "gateway.sip.rtp", "gateway.sip.uas",
@@ -140,7 +140,7 @@ import importlib, pytest
 for name in {PROTOCOL_MODULES!r}:
     importlib.import_module(name)
 assert "torch" not in sys.modules
-tests = [str(p) for p in {[str(ROOT / 'tests' / t) for t in PROTOCOL_TESTS]!r}]
+tests = [str(p) for p in {[str(ROOT / t) for t in PROTOCOL_TESTS]!r}]
 # Every test module is collected (all their imports happen); the example-based tests run. The
 # property tests (hypothesis) import nothing more and run in the default run.
 code = pytest.main([*tests, "-q", "-p", "no:cacheprovider", "-x", "-W", "ignore",

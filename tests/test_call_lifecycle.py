@@ -5,10 +5,9 @@
 - the lifecycle: start registers a call and runs the dialog the factory chooses for it; finish
   tells the dialog, stops it, frees the seat; a dialog bug ends its call only; the drain waits
   out its grace period (110 s here, in no real time) and hangs up the rest;
-- the RTP playout: one frame per 20 ms beat, silence when idle, a mark played once the frame
-  before it has gone, re-anchoring after a stall, backpressure, nothing sent while on hold, and
-  a barge-in that fades out instead of clicking (the click measured before and after);
 - the inactivity watch of a call.
+
+The playout (gateway/call/playout.py) has its own tests: tests/test_call_playout.py.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.audio.g711 import ulaw_decode, ulaw_encode
 from gateway.call import (
     Admission,
     Call,
@@ -29,7 +27,6 @@ from gateway.call import (
     CallRegistry,
     HangUp,
     Hangup,
-    Playout,
     PromptFrames,
     SpeechStarted,
     TransferTo,
@@ -38,6 +35,7 @@ from gateway.metrics import Metrics
 from gateway.readiness import Readiness
 from gateway.sip.endpoint import RTP_PLAYOUT
 from tests.support.clocks import VirtualClock
+from tests.support.transports import MemoryTransport
 
 SILENCE = b"\xff" * 160
 
@@ -109,38 +107,22 @@ def test_refusal_reasons_in_order() -> None:
 # --- the lifecycle ----------------------------------------------------------------------------
 
 
-class FakeTransport:
-    """An adapter that records what the lifecycle made it do."""
-
-    codec = "pcmu"
-    playout = RTP_PLAYOUT
+class FakeTransport(MemoryTransport):
+    """An RTP-like adapter (no far-end marks) that records what the lifecycle made it do and
+    ends the call through the lifecycle, as the SIP endpoint does."""
 
     def __init__(self, clock: VirtualClock) -> None:
-        self.clock = clock
-        self.frames: list[tuple[float, bytes]] = []
-        self.cleared: list[float] = []
-        self.outcome: CallOutcome | None = None
-        self.aborted: str | None = None
+        super().__init__(RTP_PLAYOUT, echo_marks=False, clock=clock, record_aborts=True)
         self.lifecycle: CallLifecycle | None = None
-        self.call: Call | None = None
-
-    async def send_frames(self, frames: list[bytes]) -> None:
-        self.frames.extend((self.clock.now(), frame) for frame in frames)
 
     async def send_mark(self, name: str) -> None:
         raise AssertionError("RTP has no far-end marks")
-
-    async def clear(self) -> None:
-        self.cleared.append(self.clock.now())
 
     async def end(self, outcome: CallOutcome) -> None:
         self.outcome = outcome
         assert self.lifecycle is not None and self.call is not None
         asyncio.get_running_loop().call_soon(
             lambda: asyncio.ensure_future(self.lifecycle.finish(self.call, "local")))  # type: ignore[union-attr,arg-type]
-
-    def abort(self, reason: str) -> None:
-        self.aborted = reason
 
 
 class Dialogs:
@@ -569,152 +551,7 @@ async def test_a_cached_prompt_is_encoded_once_however_often_it_is_played(
         await call.close()
 
 
-# --- the RTP playout --------------------------------------------------------------------------
-
-
-def _frames(n: int, seed: int = 0) -> list[bytes]:
-    rng = np.random.default_rng(seed)
-    pcm = (8000 * rng.standard_normal(160 * n)).astype(np.int16)
-    data = ulaw_encode(pcm)
-    return [data[i * 160:(i + 1) * 160] for i in range(n)]
-
-
-class _Owner:
-    def __init__(self) -> None:
-        self.released = 0
-        self.first: float | None = None
-
-    def frames_released(self, count: int, at: float) -> None:
-        self.first = at if self.first is None else self.first
-        self.released += count
-
-
-@pytest.fixture
-async def rtp() -> AsyncIterator[tuple[VirtualClock, FakeTransport, Playout, list[str]]]:
-    clock = VirtualClock(start=10.0)
-    sink = FakeTransport(clock)
-    played: list[str] = []
-    playout = Playout(sink, clock, RTP_PLAYOUT, silence=SILENCE, on_played=played.append)
-    playout.start()
-    await clock.advance(0)  # the first beat, at the start
-    yield clock, sink, playout, played
-    await playout.close()
-
-
-async def test_rtp_goes_out_one_frame_per_20_ms_with_silence_between(rtp) -> None:  # type: ignore[no-untyped-def]
-    clock, sink, playout, played = rtp
-    await clock.advance(0.1)  # nothing to say: silence every beat
-    assert [f for _, f in sink.frames] == [SILENCE] * 6
-    owner = _Owner()
-    playout.begin(owner)
-    audio = _frames(10)
-    await playout.push(audio)
-    playout.mark("u1")
-    await clock.advance(0.25)
-    sent = [f for _, f in sink.frames]
-    start = sent.index(audio[0])
-    assert sent[start:start + 10] == audio and sent[start + 10] == SILENCE
-    times = [t for t, _ in sink.frames]
-    assert np.allclose(np.diff(times), 0.02)  # on the beat, no drift
-    assert played == ["u1"] and owner.released == 10
-    assert owner.first == pytest.approx(times[start])
-
-
-async def test_a_stalled_stream_re_anchors_instead_of_bursting(rtp) -> None:  # type: ignore[no-untyped-def]
-    clock, sink, _playout, _ = rtp
-    await clock.advance(0.04)
-    before = len(sink.frames)
-    clock._now += 1.0  # the event loop stalled for a second
-    await clock.advance(0.0)
-    # Not 50 frames at once (a jitter buffer would drop them): one, then back on the beat.
-    assert len(sink.frames) - before == 1
-    await clock.advance(0.1)
-    assert len(sink.frames) - before == 6
-
-
-async def test_push_waits_while_the_buffer_is_full(rtp) -> None:  # type: ignore[no-untyped-def]
-    clock, _, playout, _ = rtp
-    playout.begin(_Owner())
-    frames = _frames(150)
-    pushing = asyncio.create_task(playout.push(frames))
-    await clock.advance(0)
-    # Never more than the bound is queued: a whole prompt goes in as it plays.
-    bound = RTP_PLAYOUT.buffer_frames
-    assert not pushing.done() and playout.buffered == bound
-    most = bound
-    while not pushing.done():
-        await clock.advance(0.02)
-        most = max(most, playout.buffered)
-    assert most == bound and playout.buffered <= bound
-    await clock.advance(bound * 0.02 + 0.1)
-    sent = [f for _, f in _sink_frames(playout)]
-    assert [f for f in sent if f != SILENCE] == frames  # all of it, in order
-
-
-def _sink_frames(playout: Playout) -> list[tuple[float, bytes]]:
-    return playout._sink.frames  # type: ignore[attr-defined,no-any-return]
-
-
-async def test_nothing_is_sent_on_hold(rtp) -> None:  # type: ignore[no-untyped-def]
-    clock, sink, playout, _ = rtp
-    playout.paused = True
-    before = len(sink.frames)
-    await clock.advance(1.0)
-    assert len(sink.frames) == before
-    playout.paused = False
-    await clock.advance(0.02)
-    assert len(sink.frames) == before + 1
-
-
-def click(stream: np.ndarray, cut: int) -> float:
-    """The click at sample ``cut`` of what the caller hears: the largest sample-to-sample step
-    from just before the cut to 20 ms after it, relative to the largest step of the signal's
-    own waveform before the cut. 1.0 or less: no step the audio did not already have; a cut
-    straight to silence steps by the whole sample value (up to 2.9x for a 440 Hz tone)."""
-    x = stream.astype(np.float64)
-    own = np.abs(np.diff(x[cut - 800:cut])).max()
-    return float(np.abs(np.diff(x[cut - 1:cut + 161])).max() / own)
-
-
-async def cut_tone(cut_after: int, *, fade: bool) -> tuple[float, int]:
-    """A 440 Hz tone played over RTP, barged in on after ``cut_after`` frames: the click at the
-    cut, and the fades the playout sent."""
-    from dataclasses import replace
-
-    clock = VirtualClock(start=10.0)
-    sink = FakeTransport(clock)
-    policy = replace(RTP_PLAYOUT, fade_on_interrupt=fade)
-    playout = Playout(sink, clock, policy, silence=SILENCE, on_played=lambda name: None)
-    playout.start()
-    await clock.advance(0)
-    t = np.arange(160 * 50) / 8000
-    data = ulaw_encode((12000 * np.sin(2 * np.pi * 440 * t)).astype(np.int16))
-    frames = [data[i * 160:(i + 1) * 160] for i in range(50)]
-    playout.begin(_Owner())
-    await playout.push(frames)
-    while sum(1 for _, f in sink.frames if f in frames) < cut_after:
-        await clock.advance(0.02)
-    await playout.interrupt()
-    await clock.advance(0.2)
-    await playout.close()
-    sent = [f for _, f in sink.frames]
-    last = max(i for i, f in enumerate(sent) if f in frames)
-    stream = ulaw_decode(b"".join(sent))
-    return click(stream, (last + 1) * 160), playout.fades
-
-
-async def test_a_barge_in_fades_the_prompt_out_instead_of_clicking() -> None:
-    """The click at the cut, before (a cut straight to silence) and after (the next 20 ms faded
-    out), at cuts spread over the tone's phase. bench/bargein_click.py measures it on speech."""
-    cuts = [5, 8, 11, 14, 17, 20, 23]
-    abrupt = [(await cut_tone(n, fade=False))[0] for n in cuts]
-    faded = [await cut_tone(n, fade=True) for n in cuts]
-    print(f"\nbarge-in click (440 Hz tone, {len(cuts)} cuts): step at the cut / the tone's own "
-          f"largest step: without the fade mean {np.mean(abrupt):.2f}, max {max(abrupt):.2f}; "
-          f"with it mean {np.mean([c for c, _ in faded]):.2f}, max {max(c for c, _ in faded):.2f}")
-    assert all(fades == 1 for _, fades in faded)
-    assert max(c for c, _ in faded) <= 1.05  # no step the waveform did not already have
-    assert np.mean(abrupt) > 1.5
+# --- outcomes ---------------------------------------------------------------------------------
 
 
 async def test_transfer_and_hangup_outcomes_reach_the_transport(rig) -> None:  # type: ignore[no-untyped-def]

@@ -14,32 +14,19 @@ import pytest
 
 from gateway.asr.synth import SynthVoice, phone_line, synthesize
 from gateway.audio.vad import SpeechStartDetector
-from gateway.call import Call, CallOutcome, PlayoutPolicy, SpeechPaused, SpeechStarted
+from gateway.call import Call, PlayoutPolicy, SpeechPaused, SpeechStarted
 from tests.support.clocks import VirtualClock
+from tests.support.transports import MemoryTransport
 
 FRAME = 160
 LEAD_S = 0.6
 TAIL_S = 1.0
 
 
-class _Transport:
-    codec = "pcmu"
-    playout = PlayoutPolicy(lead_s=1.0, max_frames_per_send=50, far_end_marks=True)
-
-    async def send_frames(self, frames: list[bytes]) -> None:
-        pass
-
-    async def send_mark(self, name: str) -> None:
-        pass
-
-    async def clear(self) -> None:
-        pass
-
-    async def end(self, outcome: CallOutcome) -> None:
-        pass
-
-    def abort(self, reason: str) -> None:
-        raise AssertionError(reason)
+def _transport() -> MemoryTransport:
+    """A Twilio-like far end (marks come back from the caller) that never echoes one."""
+    return MemoryTransport(PlayoutPolicy(lead_s=1.0, max_frames_per_send=50, far_end_marks=True),
+                           echo_marks=False)
 
 
 class _Listener:
@@ -89,7 +76,7 @@ async def test_a_listener_gets_the_frames_the_start_and_a_pause_where_the_speech
 ) -> None:
     audio, speech_end = caller
     clock = VirtualClock()
-    call = Call("CA1", _Transport(), clock, transport_name="twilio",
+    call = Call("CA1", _transport(), clock, transport_name="twilio",
                 detector=SpeechStartDetector())
     listener = _Listener()
     call.listen(listener)
@@ -116,7 +103,7 @@ async def test_nothing_is_heard_before_or_after_listening_and_barge_in_still_wor
 ) -> None:
     audio, _ = caller
     clock = VirtualClock()
-    call = Call("CA2", _Transport(), clock, transport_name="sip",
+    call = Call("CA2", _transport(), clock, transport_name="sip",
                 detector=SpeechStartDetector())
     call.wants_speech = True  # as while an interruptible prompt plays: the detector hears
     listener = _Listener()
@@ -137,7 +124,7 @@ async def test_listening_that_starts_while_the_caller_speaks_starts_their_turn_a
     audio, _ = caller
     clock = VirtualClock()
     detector = SpeechStartDetector()
-    call = Call("CA3", _Transport(), clock, transport_name="twilio", detector=detector)
+    call = Call("CA3", _transport(), clock, transport_name="twilio", detector=detector)
     call.wants_speech = True  # talking over an interruptible prompt: the detector hears them
     listener = _Listener()
     attached: list[float] = []
@@ -180,7 +167,7 @@ async def test_speech_a_listener_heard_is_not_heard_again_by_the_next(
     audio, speech_end = caller
     clock = VirtualClock()
     detector = SpeechStartDetector()
-    call = Call("CA4", _Transport(), clock, transport_name="twilio", detector=detector)
+    call = Call("CA4", _transport(), clock, transport_name="twilio", detector=detector)
     first, second = _Listener(), _Listener()
     call.listen(first)
     switched: list[float] = []
@@ -211,7 +198,7 @@ async def test_a_turn_the_detector_stopped_hearing_long_ago_is_not_started_again
     audio, _ = caller
     clock = VirtualClock()
     detector = SpeechStartDetector()
-    call = Call("CA5", _Transport(), clock, transport_name="twilio", detector=detector)
+    call = Call("CA5", _transport(), clock, transport_name="twilio", detector=detector)
     call.wants_speech = True
     half = len(audio) // FRAME // 2 * FRAME
     await _play(call, clock, audio[:half])

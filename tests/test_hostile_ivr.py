@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.call import Call, CallOutcome, HangUp, Hangup, PlayoutPolicy, TransferTo
+from gateway.call import Call, HangUp, Hangup, TransferTo
 from gateway.clock import SystemClock
 from gateway.ivr import runner as runner_module
 from gateway.ivr.cache import PromptCache
@@ -39,6 +39,7 @@ from gateway.ivr.script import MAX_VALUE_CHARS, Script, ScriptError, parse_scrip
 from gateway.speech import Speaker, Voice
 from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.service import SpeechService
+from tests.support.transports import MemoryTransport
 
 HEAD = "name: t\nvoice: {speaker: ryan, language: English}\n"
 
@@ -121,36 +122,6 @@ def test_a_five_thousand_node_chain_validates_in_bounded_time() -> None:
 
 
 # --- run time ---------------------------------------------------------------------------------
-
-
-class MemoryTransport:
-    """Records what the caller would get; marks play back at once."""
-
-    codec = "pcmu"
-    playout = PlayoutPolicy(lead_s=3600.0, max_frames_per_send=1000, far_end_marks=True,
-                            buffer_frames=10**6)
-
-    def __init__(self) -> None:
-        self.call: Call | None = None
-        self.outcome: CallOutcome | None = None
-        #: Set once the first frame has gone out.
-        self.sending = asyncio.Event()
-
-    async def send_frames(self, frames: list[bytes]) -> None:
-        self.sending.set()
-
-    async def send_mark(self, name: str) -> None:
-        assert self.call is not None
-        asyncio.get_running_loop().call_soon(self.call.playback_done, name)
-
-    async def clear(self) -> None:
-        pass
-
-    async def end(self, outcome: CallOutcome) -> None:
-        self.outcome = outcome
-
-    def abort(self, reason: str) -> None:
-        raise AssertionError(f"aborted: {reason}")
 
 
 @pytest.fixture

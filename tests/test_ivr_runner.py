@@ -40,6 +40,7 @@ from gateway.tts.engine import Engine, SpeechRequest
 from gateway.tts.service import SpeechService
 from tests.support.clocks import VirtualClock
 from tests.support.paths import DEMO_SCRIPT
+from tests.support.transports import MemoryTransport
 
 DEMO = DEMO_SCRIPT
 
@@ -66,35 +67,6 @@ async def _close_calls() -> AsyncIterator[None]:
                 await task
     while _open_calls:
         await _open_calls.pop().close()
-
-
-class MemoryTransport:
-    """Collects frames; every mark is played back at once."""
-
-    codec = "pcmu"
-    playout = INSTANT
-
-    def __init__(self) -> None:
-        self.call: Call | None = None
-        self.log: list[tuple[str, Any]] = []
-        self.outcome: CallOutcome | None = None
-
-    async def send_frames(self, frames: list[bytes]) -> None:
-        self.log.append(("frames", len(frames)))
-
-    async def send_mark(self, name: str) -> None:
-        self.log.append(("mark", name))
-        assert self.call is not None
-        asyncio.get_running_loop().call_soon(self.call.playback_done, name)
-
-    async def clear(self) -> None:
-        self.log.append(("clear", None))
-
-    async def end(self, outcome: CallOutcome) -> None:
-        self.outcome = outcome
-
-    def abort(self, reason: str) -> None:
-        raise AssertionError(f"aborted: {reason}")
 
 
 @pytest.fixture(scope="module")

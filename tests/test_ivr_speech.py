@@ -22,11 +22,12 @@ from gateway.asr.pool import SpeechSession
 from gateway.call import Call, SpeechPaused, SpeechStarted
 from gateway.errors import RecognizerError
 from gateway.ivr.cache import PromptCache
-from gateway.ivr.cases import InstantTransport, SilentSpeaker
+from gateway.ivr.cases import SilentSpeaker
 from gateway.ivr.runner import IvrRunner, RunnerContext
 from gateway.ivr.script import Script, parse_script
 from gateway.metrics import Metrics
 from tests.support.clocks import VirtualClock
+from tests.support.transports import MemoryTransport
 
 SCRIPT = """
 name: speech test
@@ -69,13 +70,6 @@ nodes:
 """
 MENU = "Say billing or agent, or press 1 or 2."
 
-class Transport(InstantTransport):
-    """The script tester's transport; an abort is a test failure."""
-
-    def abort(self, reason: str) -> None:
-        raise AssertionError(reason)
-
-
 class Recognizer:
     """Answers each turn with the next scripted result (or raises it)."""
 
@@ -107,7 +101,7 @@ def said(branch: str | None = None, digits: str | None = None) -> RecognitionRes
 class Harness:
     def __init__(self, script: Script) -> None:
         self.clock = VirtualClock()
-        self.transport = Transport()
+        self.transport = MemoryTransport()
         self.call = Call("CA" + "5" * 32, self.transport, self.clock, transport_name="twilio")
         self.transport.call = self.call
         self.call.start()
