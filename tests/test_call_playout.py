@@ -25,7 +25,7 @@ from gateway.call import Playout
 from gateway.sip.endpoint import RTP_PLAYOUT
 from gateway.twilio.session import TwilioConfig
 from tests.support.clocks import VirtualClock
-from tests.support.transports import MemoryTransport
+from tests.support.transports import MemoryTransport, RecordingOwner
 
 SILENCE = b"\xff" * 160
 FRAME = SILENCE
@@ -51,16 +51,6 @@ def _frames(n: int, seed: int = 0) -> list[bytes]:
     return [data[i * 160:(i + 1) * 160] for i in range(n)]
 
 
-class _Owner:
-    def __init__(self) -> None:
-        self.released = 0
-        self.first: float | None = None
-
-    def frames_released(self, count: int, at: float) -> None:
-        self.first = at if self.first is None else self.first
-        self.released += count
-
-
 @pytest.fixture
 async def rtp() -> AsyncIterator[tuple[VirtualClock, _RtpSink, Playout, list[str]]]:
     clock = VirtualClock(start=10.0)
@@ -77,7 +67,7 @@ async def test_rtp_goes_out_one_frame_per_20_ms_with_silence_between(rtp) -> Non
     clock, sink, playout, played = rtp
     await clock.advance(0.1)  # nothing to say: silence every beat
     assert [f for _, f in sink.frames] == [SILENCE] * 6
-    owner = _Owner()
+    owner = RecordingOwner()
     playout.begin(owner)
     audio = _frames(10)
     await playout.push(audio)
@@ -106,7 +96,7 @@ async def test_a_stalled_stream_re_anchors_instead_of_bursting(rtp) -> None:  # 
 
 async def test_push_waits_while_the_buffer_is_full(rtp) -> None:  # type: ignore[no-untyped-def]
     clock, _, playout, _ = rtp
-    playout.begin(_Owner())
+    playout.begin(RecordingOwner())
     frames = _frames(150)
     pushing = asyncio.create_task(playout.push(frames))
     await clock.advance(0)
@@ -162,7 +152,7 @@ async def cut_tone(cut_after: int, *, fade: bool) -> tuple[float, int]:
     t = np.arange(160 * 50) / 8000
     data = ulaw_encode((12000 * np.sin(2 * np.pi * 440 * t)).astype(np.int16))
     frames = [data[i * 160:(i + 1) * 160] for i in range(50)]
-    playout.begin(_Owner())
+    playout.begin(RecordingOwner())
     await playout.push(frames)
     while sum(1 for _, f in sink.frames if f in frames) < cut_after:
         await clock.advance(0.02)

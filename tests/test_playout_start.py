@@ -29,7 +29,7 @@ import pytest
 
 from gateway.audio.condition import Conditioning
 from gateway.audio.g711 import ulaw_encode
-from gateway.call import Call, CallOutcome, Playout, PlayoutPolicy
+from gateway.call import Call, Playout, PlayoutPolicy
 from gateway.call.playout import start_buffer_setting
 from gateway.call.session import Utterance
 from gateway.config import Settings
@@ -38,47 +38,22 @@ from gateway.metrics import Metrics
 from gateway.sip.endpoint import RTP_PLAYOUT
 from gateway.twilio.session import TwilioConfig
 from tests.support.clocks import VirtualClock
+from tests.support.transports import MemoryTransport, RecordingOwner
 
 SILENCE = b"\xff" * 160
 AUDIO = b"\x10" * 160
 TWILIO = TwilioConfig(max_lead_s=1.0, frames_per_message=50, start_buffer_s=0.02).playout()
 
 
-class _Owner:
-    def __init__(self) -> None:
-        self.released = 0
-        self.first: float | None = None
-
-    def frames_released(self, count: int, at: float) -> None:
-        self.first = at if self.first is None else self.first
-        self.released += count
-
-
-class _Sink:
-    """What the far end is sent: (time, frames) per message, marks, clears."""
-
-    codec = "pcmu"
+class _Sink(MemoryTransport):
+    """What the far end is sent: (time, frames) per message, marks; marks are not echoed."""
 
     def __init__(self, clock: VirtualClock, policy: PlayoutPolicy) -> None:
-        self.clock = clock
-        self.playout = policy
-        self.sent: list[tuple[float, list[bytes]]] = []
-        self.marks: list[tuple[float, str]] = []
+        super().__init__(policy, echo_marks=False, clock=clock)
 
-    async def send_frames(self, frames: list[bytes]) -> None:
-        self.sent.append((self.clock.now(), list(frames)))
-
-    async def send_mark(self, name: str) -> None:
-        self.marks.append((self.clock.now(), name))
-
-    async def clear(self) -> None:
-        pass
-
-    async def end(self, outcome: CallOutcome) -> None:
-        pass
-
-    def abort(self, reason: str) -> None:
-        raise AssertionError(reason)
+    @property
+    def sent(self) -> list[tuple[float, list[bytes]]]:
+        return self.messages
 
     def audio(self) -> list[tuple[float, int]]:
         """(time, frames) of every message carrying anything but silence."""
@@ -122,7 +97,7 @@ async def test_a_live_utterance_starts_at_its_source_origin_plus_the_start_buffe
     clock, _ = rig
     playout, sink, _ = _playout(rig, TWILIO)
     t0 = clock.now()
-    playout.begin(_Owner(), live=True)
+    playout.begin(RecordingOwner(), live=True)
     # 40 ms of the first 80 ms chunk came through the phone path (say): the source's listener
     # is 40 ms ahead of these frames, so they may not play before t0 + 0.04 (+ 20 ms buffer).
     await playout.push([AUDIO] * 2, not_before=t0 + 0.04)
@@ -136,7 +111,7 @@ async def test_the_hold_ends_at_once_when_the_utterance_is_complete(rig) -> None
     clock, _ = rig
     playout, sink, _ = _playout(rig, TWILIO)
     t0 = clock.now()
-    playout.begin(_Owner(), live=True)
+    playout.begin(RecordingOwner(), live=True)
     await playout.push([AUDIO] * 3, not_before=t0 + 0.04)
     await clock.advance(0.01)
     assert sink.sent == []
@@ -148,7 +123,7 @@ async def test_the_hold_ends_at_once_when_the_utterance_is_complete(rig) -> None
 async def test_a_prompt_from_memory_is_never_held(rig) -> None:  # type: ignore[no-untyped-def]
     clock, _ = rig
     playout, sink, _ = _playout(rig, TWILIO)
-    playout.begin(_Owner())  # a cached prompt: all in hand
+    playout.begin(RecordingOwner())  # a cached prompt: all in hand
     await playout.push([AUDIO] * 30)
     await _settle()
     assert sink.audio() == [(clock.now(), 30)]
@@ -160,7 +135,7 @@ async def test_the_hold_never_fires_mid_utterance(rig) -> None:  # type: ignore[
     clock, _ = rig
     playout, sink, underruns = _playout(rig, TWILIO)
     t0 = clock.now()
-    playout.begin(_Owner(), live=True)
+    playout.begin(RecordingOwner(), live=True)
     await playout.push([AUDIO] * 2, not_before=t0)
     await clock.advance(0.02)
     assert sink.audio() == [(t0 + 0.02, 2)]
@@ -176,7 +151,7 @@ async def test_the_hold_is_capped(rig) -> None:  # type: ignore[no-untyped-def]
     policy = replace(TWILIO, max_start_hold_s=0.1)
     playout, sink, _ = _playout(rig, policy)
     t0 = clock.now()
-    playout.begin(_Owner(), live=True)
+    playout.begin(RecordingOwner(), live=True)
     await playout.push([AUDIO] * 2, not_before=t0 + 0.5)  # seconds of trimmed silence
     await clock.advance(0.099)
     assert sink.sent == []
@@ -189,12 +164,12 @@ async def test_audio_still_playing_counts_towards_the_hold(rig) -> None:  # type
     comes first, so the new first frame needs no hold of its own."""
     clock, _ = rig
     playout, sink, _ = _playout(rig, TWILIO)
-    playout.begin(_Owner())
+    playout.begin(RecordingOwner())
     await playout.push([AUDIO] * 10)  # 200 ms at Twilio
     playout.mark("one")
     await clock.advance(0.05)
     t = clock.now()
-    playout.begin(_Owner(), live=True)
+    playout.begin(RecordingOwner(), live=True)
     await playout.push([AUDIO] * 2, not_before=t + 0.04)
     await _settle()
     assert sink.audio()[-1] == (t, 2)  # 150 ms still to play at Twilio >= 60 ms of hold
@@ -203,7 +178,7 @@ async def test_audio_still_playing_counts_towards_the_hold(rig) -> None:  # type
 async def test_no_start_buffer_means_no_hold(rig) -> None:  # type: ignore[no-untyped-def]
     clock, _ = rig
     playout, sink, _ = _playout(rig, replace(TWILIO, start_buffer_s=None))
-    playout.begin(_Owner(), live=True)
+    playout.begin(RecordingOwner(), live=True)
     await playout.push([AUDIO] * 2, not_before=clock.now() + 0.04)
     await _settle()
     assert sink.audio() == [(clock.now(), 2)]
@@ -215,7 +190,7 @@ async def test_rtp_holds_on_silent_beats_then_plays_on_the_beat(rig) -> None:  #
     await clock.advance(0)
     t0 = sink.sent[0][0]
     await clock.advance(0.03)  # beats at t0, +20, +40 ms: silence
-    playout.begin(_Owner(), live=True)
+    playout.begin(RecordingOwner(), live=True)
     await playout.push([AUDIO] * 2, not_before=clock.now() + 0.04)  # due at t0 + 0.09
     await clock.advance(0.2)
     times = [t for t, frames in sink.sent if frames == [AUDIO]]
@@ -229,7 +204,7 @@ async def test_rtp_counts_silent_beats_mid_utterance_as_one_underrun(rig) -> Non
     clock, _ = rig
     playout, _sink, underruns = _playout(rig, RTP_PLAYOUT)
     await clock.advance(0)
-    owner = _Owner()
+    owner = RecordingOwner()
     playout.begin(owner, live=True)
     await playout.push([AUDIO] * 2, not_before=clock.now() - 1)
     await clock.advance(0.1)  # 2 frames, then 3 beats of silence while the utterance waits
@@ -263,7 +238,7 @@ async def test_rtp_counts_a_late_beat_as_the_phone_hears_it(rig) -> None:  # typ
     playout, sink, underruns = _playout(rig, RTP_PLAYOUT)
     await clock.advance(0)
     start = clock.now()
-    playout.begin(_Owner())
+    playout.begin(RecordingOwner())
     await playout.push(audio)
     playout.mark("u")
     await clock.advance(0.2)
@@ -278,11 +253,11 @@ async def test_rtp_counts_a_late_beat_as_the_phone_hears_it(rig) -> None:  # typ
 async def test_twilio_between_utterances_is_not_an_underrun(rig) -> None:  # type: ignore[no-untyped-def]
     clock, _ = rig
     playout, _, underruns = _playout(rig, TWILIO)
-    playout.begin(_Owner())
+    playout.begin(RecordingOwner())
     await playout.push([AUDIO] * 5)
     playout.mark("one")
     await clock.advance(0.5)
-    playout.begin(_Owner())
+    playout.begin(RecordingOwner())
     await playout.push([AUDIO] * 5)
     playout.mark("two")
     await clock.advance(0.5)
@@ -293,7 +268,7 @@ async def test_rtp_hold_silence_is_not_an_underrun(rig) -> None:  # type: ignore
     clock, _ = rig
     playout, _, underruns = _playout(rig, RTP_PLAYOUT)
     await clock.advance(0)
-    playout.begin(_Owner())
+    playout.begin(RecordingOwner())
     await playout.push([AUDIO] * 3)
     await clock.advance(0.02)
     playout.paused = True

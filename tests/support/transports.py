@@ -10,7 +10,7 @@ from gateway.call import Call, CallOutcome, PlayoutPolicy
 from gateway.clock import Clock
 from gateway.ivr.cases import INSTANT
 
-__all__ = ["MemoryTransport"]
+__all__ = ["MemoryTransport", "RecordingOwner"]
 
 
 class MemoryTransport:
@@ -36,6 +36,10 @@ class MemoryTransport:
         self.log: list[tuple[str, Any]] = []
         #: Every frame with the clock's time when it was sent (0.0 without a clock).
         self.frames: list[tuple[float, bytes]] = []
+        #: Every message: the clock's time and its frames.
+        self.messages: list[tuple[float, list[bytes]]] = []
+        #: Every mark with the clock's time.
+        self.marks: list[tuple[float, str]] = []
         #: The clock's time of every clear.
         self.cleared: list[float] = []
         self.outcome: CallOutcome | None = None
@@ -49,11 +53,13 @@ class MemoryTransport:
     async def send_frames(self, frames: list[bytes]) -> None:
         self.log.append(("frames", len(frames)))
         now = self._now()
+        self.messages.append((now, list(frames)))
         self.frames.extend((now, frame) for frame in frames)
         self.sending.set()
 
     async def send_mark(self, name: str) -> None:
         self.log.append(("mark", name))
+        self.marks.append((self._now(), name))
         if self.echo_marks:
             assert self.call is not None
             asyncio.get_running_loop().call_soon(self.call.playback_done, name)
@@ -69,3 +75,16 @@ class MemoryTransport:
         if not self.record_aborts:
             raise AssertionError(f"aborted: {reason}")
         self.aborted = reason
+
+
+class RecordingOwner:
+    """The owner of what a :class:`gateway.call.Playout` plays (an utterance, in the gateway):
+    counts the frames released to the far end and keeps the time of the first."""
+
+    def __init__(self) -> None:
+        self.released = 0
+        self.first: float | None = None
+
+    def frames_released(self, count: int, at: float) -> None:
+        self.first = at if self.first is None else self.first
+        self.released += count
