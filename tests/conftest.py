@@ -7,7 +7,7 @@ ephemeral ports (:func:`tests.support.servers.serve` on real time,
 
 Nothing heavy is imported at module level: the pure protocol tests (SIP, SDP, RTP, digest,
 Twilio messages, G.711, the decimator) run on an install without torch
-(tests/test_architecture.py checks it in a subprocess that cannot import torch).
+(tests/unit/test_architecture.py checks it in a subprocess that cannot import torch).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Recognisers that fail on purpose, for tests/test_asr_pool.py and tests/test_speech_e2e.py.
+"""Recognisers that fail on purpose, for tests/unit/asr/test_pool.py and
+tests/e2e/test_speech_e2e.py.
 
 They run inside RecognizerPool's worker processes (forked from multiprocessing's fork server),
 so they live in an importable module (the workers inherit the test run's sys.path) and are
@@ -72,7 +73,7 @@ def cannot_load() -> Echo:
 
 
 class Broken(_Base):
-    """Fails every turn, as a decoder whose model went bad would (tests/test_speech_e2e.py)."""
+    """Fails every turn, as a decoder whose model went bad would (tests/e2e/test_speech_e2e.py)."""
 
     def recognize(self, pcm: npt.NDArray[np.int16], grammar: SpeechGrammar) -> RecognitionResult:
         raise RecognizerError("the decoder failed on this turn")

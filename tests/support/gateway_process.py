@@ -4,7 +4,7 @@ In-process servers (conftest ``serve``) cannot receive SIGTERM the way a contain
 these can. Output goes to a log file the test can read (and shows on failure).
 
 By default the process is forked from a parent that has already imported the gateway and its
-model libraries (``tests/gateway_zygote.py``, one per test run, shared by its workers): it
+model libraries (``tests/support/gateway_zygote.py``, one per test run, shared by its workers): it
 runs the same ``gateway/__main__.py`` with its own environment, signals and exit code, without
 the ~7 CPU-s of imports each start would cost. ``exec_=True`` starts ``python -m gateway
 serve`` itself.
@@ -64,7 +64,7 @@ class ForkedProcess:
 
 class _Zygote:
     """This worker's connection to the test run's parent of forked gateways
-    (``tests/gateway_zygote.py``): the first worker that needs one starts it, the others
+    (``tests/support/gateway_zygote.py``): the first worker that needs one starts it, the others
     connect to it."""
 
     _instance: _Zygote | None = None

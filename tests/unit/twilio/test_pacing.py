@@ -1,7 +1,7 @@
 """Twilio's playout policy and the outcomes a stream leaves for the after-stream webhook.
 
 How the shared playout paces audio under this policy (the lead held back to ``max_lead_s``,
-echoed marks, ``clear``) is tested with the playout itself: tests/test_call_playout.py.
+echoed marks, ``clear``) is tested with the playout itself: tests/unit/call/test_playout.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Hostile HTTP against the production server: ``gateway serve``'s uvicorn settings
 (:func:`gateway.http_limits.server_limits`) around the real app, on an ephemeral port.
 
-What tests/test_twilio_e2e.py already covers (a missing, wrong-token, tampered or wrong-URL
+What tests/e2e/test_twilio_e2e.py already covers (a missing, wrong-token, tampered or wrong-URL
 signature gets 403) is not repeated. Here:
 
 - forged and malformed webhooks (duplicated parameters and headers, oversized or binary

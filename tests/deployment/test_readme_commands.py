@@ -1,7 +1,7 @@
 """Every ``./run.sh`` command in the README exists with the options it is shown with, the cheap
 ones run, and the load simulator's examples print what the README shows under them (their
-shape: tests/readme_samples.py), on the tiny model, shortened where a flag allows. The quick
-start's ``./run.sh call`` sample is checked by tests/test_softphone.py's end-to-end call."""
+shape: tests/support/readme_samples.py), on the tiny model, shortened where a flag allows. The quick
+start's ``./run.sh call`` sample is checked by tests/e2e/test_softphone.py's end-to-end call."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def test_the_readme_documents_the_commands_this_test_knows() -> None:
                                                     ("loadsim", "capacity")}
 
 
-#: run.sh's own verbs, not gateway commands (tests/test_docs.py checks the test command; the
-#: help verbs: tests/test_cli.py).
+#: run.sh's own verbs, not gateway commands (tests/deployment/test_docs.py checks the test
+#: command; the help verbs: tests/unit/test_cli.py).
 RUN_SH_VERBS = ("test", "setup", "--help", "help")
 
 

@@ -240,7 +240,7 @@ async def test_sip_calls_still_ringing_hold_seats_against_twilio_callers(
 
 
 # Reservations lapsing and the order of refusal reasons are tested on a virtual clock in
-# tests/test_call_lifecycle.py (a 30 s reservation there costs no real time).
+# tests/unit/call/test_lifecycle.py (a 30 s reservation there costs no real time).
 
 
 async def test_sip_is_admitted_by_the_replicas_one_budget_alone(small: LiveServer) -> None:

@@ -487,7 +487,7 @@ def test_streamed_audio_equals_one_decode_of_the_rows_codes(
 def test_a_row_that_names_no_length_ends_at_the_checkpoints_max_new_tokens(
     engine: BatchedQwenEngine, shared: QwenModel
 ) -> None:
-    """As the slot engine (tests/test_tts_engine.py): the tiny checkpoint's ``max_new_tokens``
+    """As the slot engine (tests/unit/tts/test_engine.py): the tiny checkpoint's ``max_new_tokens``
     (64) bounds a row whose request names no length; a named length is kept."""
     long = "Thank you for calling Acme Energy, we are glad to help you today. " * 3
     assert shared.max_new_tokens == TINY_MAX_NEW_TOKENS

@@ -1,9 +1,9 @@
 """Hostile IVR content: scripts that try to break the validator, and backends and variables that
 try to break a running call.
 
-What tests/test_ivr_script.py and tests/test_ivr_runner.py already cover is not repeated (simple
-template injections in one sentence; a webhook that is not JSON, answers 500, a 100 KB body
-through a mocked transport, or times out). Here:
+What tests/unit/ivr/test_script.py and tests/unit/ivr/test_runner.py already cover is not
+repeated (simple template injections in one sentence; a webhook that is not JSON, answers 500,
+a 100 KB body through a mocked transport, or times out). Here:
 
 - validation: a 1 MB sentence, format-string tricks (attribute and index access, conversions,
   giant width specs, stray braces), YAML nested thousands deep, a billion-laughs alias bomb,

@@ -3,7 +3,7 @@
 No model, no audio: prompts play as 20 ms of silence (the script tester's speaker) and the
 caller's turn is driven the way the call drives it (the listening session told of speech start
 and pause, a SpeechPaused event). The recogniser answers what each test says, or fails. The
-real recogniser over real sockets is in tests/test_speech_e2e.py; the flows on the demo script
+real recogniser over real sockets is in tests/e2e/test_speech_e2e.py; the flows on the demo script
 in prompts/demo.cases.yaml.
 """
 
@@ -280,7 +280,7 @@ async def test_no_speech_and_no_keys_is_no_input(h: Harness) -> None:
 
 
 async def test_a_hold_stops_the_no_input_clock_of_a_listening_gather(h: Harness) -> None:
-    """As for keys (tests/test_ivr_runner.py): a caller on hold is away, so the listening
+    """As for keys (tests/unit/ivr/test_runner.py): a caller on hold is away, so the listening
     menu's 5 s no-input timeout waits for them and restarts in full; their speech after the
     hold is still the answer."""
     await h.waiting()

@@ -9,7 +9,7 @@ clock (no model, no sockets, no real waiting).
   estimates playback from its clock, and corrects the estimate from echoed marks (a mark comes
   back once everything sent before it has played) and from ``clear``.
 
-The start buffer of a live utterance and the underruns are tests/test_playout_start.py.
+The start buffer of a live utterance and the underruns are tests/unit/call/test_playout_start.py.
 """
 
 from __future__ import annotations

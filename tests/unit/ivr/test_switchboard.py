@@ -2,7 +2,7 @@
 
 How a call is routed and labelled, and when the reloader reads the files: only once an edit
 holds still for an interval, never again for an edit it refused, at once when asked (SIGHUP).
-The whole gateway doing the same with calls up is tests/test_ivr_reload.py.
+The whole gateway doing the same with calls up is tests/unit/ivr/test_reload.py.
 """
 
 from __future__ import annotations

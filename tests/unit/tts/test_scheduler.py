@@ -248,7 +248,7 @@ async def test_a_failed_batched_decode_fails_the_heard_turns_rebuilds_and_serves
     row, and every decoded row's codec state is suspect. Like a failed step, it fails the turns
     already heard (their callers hear the apology), rebuilds the engine, and serves on. (A
     failure that belongs to one turn, its prefill, fails that turn alone:
-    tests/test_tts_batch_service.py.)"""
+    tests/unit/tts/test_batch_service.py.)"""
     faulty = _Faulty(shared_model, max_rows=2, trim_leading_silence=False, adaptive_chunks=False)
     service = service_factory([faulty])
     healthy = service.stream(SpeechRequest(text="Healthy.", seed=1, max_frames=30, min_frames=30))

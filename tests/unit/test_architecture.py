@@ -28,9 +28,10 @@ PACKAGE = ROOT / "gateway"
 
 #: Tests of the protocol cores that must run on an install without torch.
 PROTOCOL_TESTS = [
-    "tests/test_sip_message.py", "tests/test_sip_sdp.py", "tests/test_sip_rtp.py",
-    "tests/test_sip_uas.py", "tests/test_sip_digest.py", "tests/test_twilio_protocol.py",
-    "tests/test_audio_g711.py", "tests/test_audio_resample.py",
+    "tests/unit/sip/test_message.py", "tests/unit/sip/test_sdp.py",
+    "tests/unit/sip/test_rtp.py", "tests/unit/sip/test_uas.py", "tests/unit/sip/test_digest.py",
+    "tests/unit/twilio/test_protocol.py", "tests/unit/audio/test_g711.py",
+    "tests/unit/audio/test_resample.py",
 ]
 PROTOCOL_MODULES = [
     "gateway.sip.message", "gateway.sip.sdp", "gateway.sip.rtp", "gateway.sip.uas",

@@ -7,7 +7,7 @@
   out its grace period (110 s here, in no real time) and hangs up the rest;
 - the inactivity watch of a call.
 
-The playout (gateway/call/playout.py) has its own tests: tests/test_call_playout.py.
+The playout (gateway/call/playout.py) has its own tests: tests/unit/call/test_playout.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Two gateways behind a real round-robin load balancer, no stickiness: the shipped deployment.
 
 Everything is real and on loopback: two ``gateway serve`` processes (tiny model on CPU, the
-transfer line of tests/test_twilio_rest.py, signatures checked, ``GATEWAY_MAX_CALLS=2`` each,
+transfer line of tests/unit/twilio/test_rest.py, signatures checked, ``GATEWAY_MAX_CALLS=2`` each,
 the fleet settings: ``GATEWAY_TWILIO_ACCOUNT_SID`` for live-call updates and
 ``GATEWAY_TWILIO_RESERVATION_S=0``), HAProxy (Debian's ``haproxy``) in front of them balancing
 every request and WebSocket upgrade round-robin (it names the replica that answered in

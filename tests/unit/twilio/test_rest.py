@@ -8,7 +8,7 @@ the gateway makes is checked against Twilio's documented form: ``POST
 ``Twiml`` is the outcome. The test Twilio ends the stream after an update, as Twilio does when
 new TwiML replaces ``<Connect><Stream>``. Retries, the timeout, the after-stream fallback and
 the "ask again" answer for a call this replica did not run are here; the same behaviour across
-two gateway processes behind a real round-robin proxy is tests/test_fleet.py.
+two gateway processes behind a real round-robin proxy is tests/e2e/test_fleet.py.
 """
 
 from __future__ import annotations

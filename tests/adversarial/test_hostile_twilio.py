@@ -2,7 +2,7 @@
 
 The gateway runs the demo IVR with every prompt in the pre-rendered cache, so the healthy call's
 audio costs no generation and any gap it hears is the hostile traffic's doing. What
-tests/test_twilio_e2e.py already covers (a binary frame, a 70 KB text message, bad base64, a
+tests/e2e/test_twilio_e2e.py already covers (a binary frame, a 70 KB text message, bad base64, a
 ``start`` without fields) is not repeated; here:
 
 - each bad stream (``media`` before ``start``, a second ``start``, an unknown ``streamSid``, a

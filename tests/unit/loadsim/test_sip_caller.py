@@ -1,7 +1,7 @@
 """The load simulator's SIP caller (gateway.loadsim.sip_caller), built on gateway.sip.
 
-Against a real peer (baresip auto-answering on loopback, tests/sip_peers.py) for what a phone
-sees; against a scripted UDP peer for the exact RFC 3261 timers and RTP/RFC 4733 wire format;
+Against a real peer (baresip auto-answering on loopback, tests/support/sip_peers.py) for what a
+phone sees; against a scripted UDP peer for the exact RFC 3261 timers and RTP/RFC 4733 wire format;
 and sans-I/O for the receive analysis (jitter, loss, speech timing, the playout model) and the
 pacing measurement on a virtual clock.
 """
