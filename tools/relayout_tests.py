@@ -24,8 +24,12 @@ Every folder gets an ``__init__.py`` (the tests are the ``tests`` package: modul
 unique whatever their base names, and ``tests.support`` imports from anywhere); the fixtures
 stay in ``tests/conftest.py``, which pytest applies to every folder below it.
 
-After the moves, references to a moved module are rewritten in the tracked text files: its path
-(``tests/test_sip_uas.py``) and its dotted name (``tests.test_sip_uas``).
+After the moves, the imports of modules written for the flat tree (``from conftest import
+...``, ``from clocks import ...``, ``import local_http``, ``from test_x import ...``) and the
+paths they computed from ``__file__`` are rewritten for :mod:`tests.support` and the new tree
+(sort them with ``ruff check --fix``), and references to a moved module are rewritten in the
+tracked text files: its path (``tests/test_sip_uas.py``) and its dotted name
+(``tests.test_sip_uas``).
 
 Idempotent: on a tree already laid out there is nothing at ``tests/test_*.py`` and nothing to
 rewrite; a second run changes nothing. Run it again after merging a branch that added flat test
@@ -130,6 +134,103 @@ def _sub_modules() -> dict[str, list[str]]:
         if path.stem != "__init__":
             found.setdefault(path.stem, []).append(path.parent.name)
     return found
+
+#: ``from conftest import NAME``: where NAME lives now, and its new name where it changed.
+CONFTEST_NAMES: dict[str, tuple[str, str]] = {
+    "_server": ("servers", "uvicorn_server"),
+    "_free_socket": ("net", "free_socket"),
+    "_settings": ("servers", "gateway_settings"),
+    "_built_once": ("builds", "built_once"),
+    "DEMO_SCRIPT": ("paths", "DEMO_SCRIPT"),
+}
+#: ``from MODULE import NAME`` of a helper module that moved, for names that went elsewhere.
+MOVED_NAMES: dict[tuple[str, str], tuple[str, str]] = {
+    ("clocks", "until"): ("waiting", "until"),
+    ("sip_peers", "wait_until"): ("waiting", "wait_until"),
+    ("sip_peers", "free_port"): ("net", "free_port"),
+    ("test_sip_message", "assert_round_trips"): ("sip_messages", "assert_round_trips"),
+    ("test_sip_message", "without_length"): ("sip_messages", "without_length"),
+    ("test_twilio_rest", "write_line"): ("lines", "write_transfer_line"),
+    ("test_twilio_rest", "LINE"): ("lines", "TRANSFER_LINE"),
+    ("test_speech_e2e", "SipCaller"): ("speech_callers", "SipCaller"),
+    ("test_speech_e2e", "TwilioCaller"): ("speech_callers", "TwilioCaller"),
+    ("test_speech_e2e", "_recognizer"): ("speech_callers", "recognizer_swapped"),
+    ("test_speech_e2e", "_trace"): ("speech_callers", "ivr_trace"),
+}
+HELPER_MODULES = ("clocks", "virtual_time", "sip_peers", "twilio_client", "fake_twilio_api",
+                  "gateway_process", "readme_samples")
+#: Paths a flat test module computed from its own place, and what stands for them now.
+FILE_PATHS: list[tuple[str, str, str]] = [
+    (r'Path\(__file__\)\.resolve\(\)\.parent\.parent / "prompts" / "demo\.yaml"', "DEMO_SCRIPT",
+     "DEMO_SCRIPT"),
+    (r"Path\(__file__\)\.resolve\(\)\.parent\.parent", "REPO", "REPO"),
+    (r"Path\(__file__\)\.resolve\(\)\.parents\[1\]", "REPO", "REPO"),
+    (r"Path\(__file__\)\.parent\.parent", "REPO", "REPO"),
+    (r'Path\(__file__\)\.(?:resolve\(\)\.)?parent / "golden"', "GOLDEN", "GOLDEN"),
+    (r'Path\(__file__\)\.(?:resolve\(\)\.)?parent / "sipp"', "SIPP_DIR", "SIPP_DIR"),
+    (r"Path\(__file__\)\.(?:resolve\(\)\.)?parent(?![\w.\[])", "TESTS", "TESTS"),
+]
+
+
+def _rewrite_imports(path: Path) -> bool:
+    """The imports of a test module written for the flat tree (``from conftest import ...``,
+    ``from clocks import ...``, ``import local_http``, ``from test_x import ...``) and the paths
+    it computed from ``__file__``, rewritten for tests.support and the new tree."""
+    text = path.read_text(encoding="utf-8")
+    renamed: dict[str, str] = {}
+
+    def names_of(block: str) -> list[tuple[str, str | None]]:
+        out = []
+        for item in block.strip("()").replace("\n", " ").split(","):
+            item = item.strip()
+            if item:
+                name, _, alias = item.partition(" as ")
+                out.append((name.strip(), alias.strip() or None))
+        return out
+
+    def from_import(match: re.Match[str]) -> str:
+        indent, module, block = match.group(1), match.group(2), match.group(3)
+        targets: dict[str, list[str]] = {}
+        for name, alias in names_of(block):
+            if module == "conftest":
+                where, new = CONFTEST_NAMES.get(name, ("servers", name))
+                where = f"support.{where}"
+            elif (module, name) in MOVED_NAMES:
+                where, new = MOVED_NAMES[(module, name)]
+                where = f"support.{where}"
+            elif module in HELPER_MODULES:
+                where, new = f"support.{module}", name
+            else:  # another test module, wherever the rules put it
+                placed = place(module)
+                if placed is None:
+                    return match.group(0)
+                where, new = placed[0].removesuffix(".py").replace("/", "."), name
+            if new != name and alias is None:
+                renamed[name] = new
+            targets.setdefault(where, []).append(new + (f" as {alias}" if alias else ""))
+        return "\n".join(f"{indent}from tests.{where} import {', '.join(items)}"
+                         for where, items in targets.items())
+
+    modules = "|".join(("conftest", *HELPER_MODULES, r"test_\w+"))
+    new = re.sub(rf"^([ \t]*)from ({modules}) import (\([^)]*\)|[^\n]+)", from_import, text,
+                 flags=re.M)
+    new = re.sub(r"^([ \t]*)import (local_http|asr_fakes)$", r"\1from tests.support import \2",
+                 new, flags=re.M)
+    for old, replacement in renamed.items():
+        new = re.sub(rf"(?<![\w.]){re.escape(old)}\(", replacement + "(", new)
+    needed = set()
+    for pattern, replacement, name in FILE_PATHS:
+        new, count = re.subn(pattern, replacement, new)
+        if count:
+            needed.add(name)
+    if needed:
+        new = re.sub(r"^(from __future__ import annotations\n)",
+                     rf"\1\nfrom tests.support.paths import {', '.join(sorted(needed))}\n",
+                     new, count=1, flags=re.M)
+    if new == text:
+        return False
+    path.write_text(new, encoding="utf-8")
+    return True
 
 
 def place(name: str) -> tuple[str, str] | None:
@@ -282,16 +383,26 @@ def main(argv: list[str] | None = None) -> int:
               f"  [{move.rule}]")
     if args.dry_run:
         return 0
+    tracked = set(_git("ls-files", "tests").splitlines())
     for move in moves:
         move.target.parent.mkdir(parents=True, exist_ok=True)
-        _git("mv", str(move.source.relative_to(REPO)), str(move.target.relative_to(REPO)))
+        source = move.source.relative_to(REPO).as_posix()
+        if source in tracked:
+            _git("mv", source, move.target.relative_to(REPO).as_posix())
+        else:  # not committed yet: moved all the same, left for its author to add
+            move.source.rename(move.target)
+    rewritten = [p for p in sorted(TESTS.rglob("*.py"))
+                 if "__pycache__" not in p.parts and p.parent != TESTS / "support"
+                 and _rewrite_imports(p)]
+    for path in rewritten:
+        print(f"rewrote imports in {path.relative_to(REPO)} (run `ruff check --fix` to sort them)")
     made = _ensure_packages()
     if made:
         _git("add", *[str(p.relative_to(REPO)) for p in made])
     changed = _rewrite_references()
     for path in changed:
         print(f"rewrote references in {path.relative_to(REPO)}")
-    if not moves and not made and not changed:
+    if not moves and not made and not changed and not rewritten:
         print("relayout_tests: the tree is already laid out; nothing to do")
     print("modules per folder: " + ", ".join(f"{k}: {v}" for k, v in summary().items()))
     return 0
