@@ -34,6 +34,7 @@ from gateway.loadsim.sip_caller import (
 from gateway.sip.message import SipParseError, SipResponse, parse_message
 from gateway.sip.rtp import RtpError, RtpPacket, seq_diff, ts_diff
 from gateway.sip.sdp import SdpError
+from tests.support.clocks import ManualClock
 from tests.support.sip_peers import Baresip
 from tests.support.waiting import never, until
 
@@ -496,15 +497,15 @@ def test_idle_fill_inside_an_utterance_is_a_dropout_the_caller_hears() -> None:
 
 
 async def test_pacer_measures_lateness_against_fixed_deadlines() -> None:
-    now = [1000.0]
+    clock = ManualClock(1000.0)
     overshoot = iter([0.0, 0.0012, 0.0, 0.025, 0.0003, 0.0, 0.0])
     slept: list[float] = []
 
     async def sleep(delay: float) -> None:
         slept.append(delay)
-        now[0] += delay + next(overshoot)
+        clock.t += delay + next(overshoot)
 
-    pacer = FramePacer(clock=lambda: now[0], sleep=sleep)
+    pacer = FramePacer(clock=clock.now, sleep=sleep)
     pacer.start()
     woke = [await pacer.next() for _ in range(8)]
     lateness = list(pacer.stats.lateness_ms)
