@@ -5,10 +5,10 @@
 #   docker build -t ivr-gateway .
 #   docker run --gpus all --stop-timeout 120 -p 8080:8080 -e GATEWAY_TWILIO_AUTH_TOKEN ivr-gateway
 #
-# README "Docker image" has the build args, the ports and where the image's ~9 GB go.
+# docs/operators/deploy.md has the build args, the ports and where the image's ~9 GB go.
 # tests/deployment/test_dockerfile.py checks this file's structure (no Docker engine runs in CI).
 
-# The Hugging Face model baked in (a CustomVoice model; see README "IVR scripts" for Base models).
+# The Hugging Face model baked in (a CustomVoice model; see docs/authors/scripts.md for Base models).
 # Declared once here; each stage that reads it re-declares it without a value.
 ARG MODEL_ID=Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice
 
@@ -116,8 +116,8 @@ COPY prompts ./prompts
 RUN set -e; \
     mkdir -p /var/cache/gateway/prompts; \
     for script in $PROMPT_SCRIPTS; do \
-        gateway prompts validate "$script"; \
-        HF_HUB_OFFLINE=1 GATEWAY_DTYPE=bfloat16 gateway prompts render "$script" \
+        gateway script validate "$script"; \
+        HF_HUB_OFFLINE=1 GATEWAY_DTYPE=bfloat16 gateway script render "$script" \
             --model "/models/$MODEL_ID" \
             --device cpu --cache-dir /var/cache/gateway/prompts; \
     done
@@ -168,7 +168,7 @@ ENV GATEWAY_MODEL=/models/$MODEL_ID \
     HF_HUB_OFFLINE=1
 
 # HTTP (Twilio webhooks + Media Streams WebSocket, /healthz /readyz /metrics); SIP over UDP and the
-# RTP range, used only when GATEWAY_SIP is set (README "SIP trunks and PBXs").
+# RTP range, used only when GATEWAY_SIP is set (docs/operators/sip.md).
 EXPOSE 8080/tcp 5060/udp 20000-20999/udp
 
 USER 10001:10001

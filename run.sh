@@ -4,7 +4,7 @@
 #   ./run.sh test [pytest args] set up the same way, run the test suite (CI runs exactly this)
 #   ./run.sh setup             only set up
 #   ./run.sh --help | help [COMMAND]   the gateway's commands, or one command's options
-#   ./run.sh COMMAND ...       any other gateway command (demo, call, say, prompts, loadsim...)
+#   ./run.sh COMMAND ...       any other gateway command (demo, call, say, script, loadsim...)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -12,7 +12,7 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 # qwen_tts imports torchaudio at import time, and PyPI's torchaudio only loads beside a CUDA
 # build of torch (beside a CPU-only torch it fails with "libc10_cuda.so not found"). This pair
-# imports on machines with or without a GPU. See README "Which Qwen3-TTS packages, and why".
+# imports on machines with or without a GPU. See docs/architecture/decisions.md.
 TORCH_PAIR=("torch==2.14.1" "torchaudio==2.11.1")
 
 setup() {

@@ -21,7 +21,7 @@
 #
 # Prepare on the workstation (wheels the GPU image lacks, into ./.whl; read the script's LAST
 # line: "closure check: ok"):
-#   bash ../shared/tools/gpu-wheels.sh
+#   bash bench/gpu_wheels.sh
 # Then on the device machine (carry: [".whl"]), one run, timeout_s 570:
 #   bash bench/gpu_batching.sh
 # A dry run of every stage on this CPU, with the tiny model and the graph-capture stand-in

@@ -84,7 +84,7 @@ def imports() -> None:
             importlib.import_module(name)
         except Exception as exc:
             fail(f"cannot import {name}: {type(exc).__name__}: {exc} (carry its wheel: "
-                 "../shared/tools/gpu-wheels.sh)")
+                 "bench/gpu_wheels.sh)")
     step("imports: the engine, the phone path and qwen-tts's audio stack")
 
 

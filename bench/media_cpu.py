@@ -384,7 +384,7 @@ def _prepare(args: argparse.Namespace, work: Path) -> tuple[str, str]:
         from gateway.tts.tiny import build_tiny_checkpoint
 
         build_tiny_checkpoint(Path(model))
-    code = main(["prompts", "render", str(DEMO), "--model", model, "--device", "cpu",
+    code = main(["script", "render", str(DEMO), "--model", model, "--device", "cpu",
                  "--cache-dir", cache])
     if code != 0:
         raise SystemExit("rendering the demo prompts failed")

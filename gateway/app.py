@@ -55,8 +55,8 @@ from gateway.call.registry import CallRegistry
 from gateway.call.session import Call, Dialog, SpeechDetector
 from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
-from gateway.demo import GreeterDialogs
 from gateway.errors import GatewayError
+from gateway.greeter import GreeterDialogs
 from gateway.http_limits import RequestLimits
 from gateway.ivr.cache import PromptCache
 from gateway.ivr.lines import FileStamp, LinePlan, load_lines, single_script
@@ -67,14 +67,14 @@ from gateway.ivr.voices import VoiceRegistry
 from gateway.metrics import Metrics
 from gateway.readiness import Readiness
 from gateway.sip.endpoint import RTP_PLAYOUT, SipEndpoint
-from gateway.speech import Speaker, Voice
+from gateway.speech import Speaker, SpeechVoice
 from gateway.text import Reader, Reading
 from gateway.tts.engine import Engine, VoicePrompt
 from gateway.tts.service import SpeechService
 from gateway.twilio.rest import CallUpdater
 from gateway.twilio.routes import build_router
-from gateway.twilio.session import Outcomes, TwilioConfig
 from gateway.twilio.signature import SignatureChecker
+from gateway.twilio.stream import Outcomes, TwilioConfig
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class Gateway:
     #: The lines and scripts as loaded at start-up (None: the greeter answers every call).
     plan: LinePlan | None = None
     #: The voice each script speaks with, warmed up with the engine.
-    voices: list[Voice] | None = None
+    voices: list[SpeechVoice] | None = None
     cache: PromptCache | None = None
     speech: SpeechService | None = None
     #: Routes calls to lines, in the version installed (once ready, for an IVR).
@@ -293,10 +293,10 @@ async def _start_recognizer(gateway: Gateway) -> None:
         log.exception("starting the speech recogniser failed: speech gathers take keys only")
 
 
-def greeter_voice(settings: Settings) -> Voice:
+def greeter_voice(settings: Settings) -> SpeechVoice:
     """The voice of the greeter (no script): the configured speaker."""
-    return Voice(speaker=settings.speaker, language=settings.language,
-                 instruct=settings.instruct, seed=settings.seed)
+    return SpeechVoice(speaker=settings.speaker, language=settings.language,
+                       instruct=settings.instruct, seed=settings.seed)
 
 
 def load_lines_setting(settings: Settings, stamps: dict[Path, FileStamp] | None = None
@@ -576,7 +576,7 @@ def _reload_plan(settings: Settings, stamps: dict[Path, FileStamp]) -> LinePlan:
     return plan
 
 
-def _warmup_voices(voices: Sequence[Voice]) -> list[tuple[str, str] | VoicePrompt]:
+def _warmup_voices(voices: Sequence[SpeechVoice]) -> list[tuple[str, str] | VoicePrompt]:
     """Every voice calls will speak with (speakers or clones), each once."""
     out: list[tuple[str, str] | VoicePrompt] = []
     for voice in voices:

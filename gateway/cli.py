@@ -32,9 +32,22 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
-prompts_app = typer.Typer(no_args_is_help=True,
-                          help="IVR scripts: validate, pre-render, draw, test.")
-app.add_typer(prompts_app, name="prompts")
+script_app = typer.Typer(no_args_is_help=True,
+                         help="IVR scripts: validate, pre-render, draw, test.")
+app.add_typer(script_app, name="script")
+
+
+def _prompts_is_deprecated(ctx: typer.Context) -> None:
+    """``gateway prompts VERB``: the name the script commands had before this release."""
+    verb = ctx.invoked_subcommand or "..."
+    # One line on stderr: stdout stays what `gateway script` prints (scripts parse it).
+    typer.echo(f"warning: `gateway prompts {verb}` is deprecated and will be removed in the "
+               f"next release; use `gateway script {verb}`", err=True)
+
+
+# Deprecated alias of `script` for one release: the same commands, announced on stderr.
+app.add_typer(script_app, name="prompts", callback=_prompts_is_deprecated,  # renames_35: keep
+              help="Deprecated alias of `gateway script` (removed in the next release).")
 app.add_typer(loadsim_app, name="loadsim")
 app.add_typer(model_app, name="model")
 voices_app = typer.Typer(
@@ -459,8 +472,8 @@ def voices_remove(
     typer.echo(f"removed voice {name!r} from {registry.directory}")
 
 
-@prompts_app.command("validate")
-def prompts_validate(
+@script_app.command("validate")
+def script_validate(
     files: Annotated[list[Path], typer.Argument(help="IVR scripts or lines files (YAML).")],
 ) -> None:
     """Check scripts, or a lines file and every script it names: schema and logic errors as
@@ -490,8 +503,8 @@ def prompts_validate(
         raise GatewayError(f"{failed} of {len(files)} file(s) have errors")
 
 
-@prompts_app.command("graph")
-def prompts_graph(
+@script_app.command("graph")
+def script_graph(
     file: Annotated[Path, typer.Argument(help="IVR script (YAML).")],
     output: Annotated[
         Path, typer.Option("-o", "--output", help="flow.svg, flow.png, flow.pdf or flow.dot.")
@@ -509,8 +522,8 @@ def prompts_graph(
     typer.echo(f"wrote {output}: {len(script.nodes)} nodes")
 
 
-@prompts_app.command("test")
-def prompts_test(
+@script_app.command("test")
+def script_test(
     file: Annotated[Path, typer.Argument(help="IVR script (YAML).")],
     cases: Annotated[Path, typer.Argument(help="Case file (YAML): callers and what they hear.")],
     line: Annotated[
@@ -551,8 +564,8 @@ def prompts_test(
         raise GatewayError(f"{failed} of {len(results)} case(s) failed")
 
 
-@prompts_app.command("render")
-def prompts_render(
+@script_app.command("render")
+def script_render(
     files: Annotated[list[Path], typer.Argument(help="IVR scripts or lines files (YAML).")],
     model: Annotated[str | None, typer.Option(help="Model id or local directory.")] = None,
     device: Annotated[str | None, typer.Option(help="auto|cpu|cuda.")] = None,

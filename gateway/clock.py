@@ -172,7 +172,7 @@ class _Timeout:
 
 class VirtualClock:
     """A :class:`Clock` whose time moves only in :meth:`advance`: tests, and the script
-    tester (``gateway prompts test``), which runs the real IVR runner through a whole call
+    tester (``gateway script test``), which runs the real IVR runner through a whole call
     in no time."""
 
     def __init__(self, start: float = 0.0, wall_start: float = 1_750_000_000.0) -> None:

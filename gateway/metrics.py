@@ -19,6 +19,11 @@ def _cuda_memory(kind: str) -> float:
     return float(torch.cuda.memory_reserved())
 
 
+def _gauge_value(gauge: Gauge) -> float:
+    """An unlabelled gauge's value, through the public collector interface."""
+    return float(next(iter(gauge.collect())).samples[0].value)
+
+
 class Metrics:
     """The gateway's metrics."""
 
@@ -222,12 +227,23 @@ class Metrics:
             "gateway_tts_failures_total", "Turns failed by an error inside the engine.",
             registry=r,
         )
-        self.tts_slots_healthy = Gauge(
-            "gateway_tts_slots_healthy",
-            "Engine slots in service (failed rebuilds retire one; a stuck step takes one out "
+        self.tts_engines_healthy = Gauge(
+            "gateway_tts_engines_healthy",
+            "TTS engines in service (a failed rebuild retires one; a stuck step takes one out "
             "until it returns).",
             registry=r,
         )
+        # The same gauge under its old name, for one release: it counted engines, not the
+        # batch slots gateway_tts_busy_slots counts. Read from the new one at each scrape, so
+        # the two never disagree.
+        self.tts_slots_healthy_deprecated = Gauge(
+            "gateway_tts_slots_healthy",  # renames_35: keep
+            "Deprecated alias of gateway_tts_engines_healthy (the same value); removed in the "
+            "next release.",
+            registry=r,
+        )
+        self.tts_slots_healthy_deprecated.set_function(
+            lambda: _gauge_value(self.tts_engines_healthy))
         self.tts_stuck_steps = Counter(
             "gateway_tts_stuck_steps_total",
             "Engine steps the watchdog gave up on (no progress for GATEWAY_ENGINE_STEP_TIMEOUT_MS):"

@@ -14,12 +14,14 @@ from gateway.call.session import AudioStream, Call, Utterance
 from gateway.tts.engine import SpeechRequest, VoicePrompt
 from gateway.tts.service import SpeechService
 
-__all__ = ["Speaker", "Voice"]
+__all__ = ["Speaker", "SpeechVoice"]
 
 
 @dataclass(frozen=True)
-class Voice:
-    """The voice a call speaks with."""
+class SpeechVoice:
+    """The voice a call speaks with, as the engine takes it (speaker, language, instruction,
+    seed or a cloned voice's prompt); a script's ``voice:`` setting is
+    :class:`gateway.ivr.script.ScriptVoice`, resolved into this one per line."""
 
     speaker: str = "ryan"
     language: str = "English"
@@ -32,16 +34,16 @@ class Voice:
 class Speaker:
     """Live speech in one voice through the speech service."""
 
-    def __init__(self, speech: SpeechService, voice: Voice) -> None:
+    def __init__(self, speech: SpeechService, voice: SpeechVoice) -> None:
         self.speech = speech
         self.voice = voice
 
-    def with_voice(self, voice: Voice) -> Speaker:
+    def with_voice(self, voice: SpeechVoice) -> Speaker:
         """The same speech service in another voice (a node changed the call's)."""
         return Speaker(self.speech, voice)
 
     def request(self, text: str, call_id: str, utterance_id: str,
-                voice: Voice | None = None) -> SpeechRequest:
+                voice: SpeechVoice | None = None) -> SpeechRequest:
         """The request for ``text`` in ``voice`` (default: this speaker's)."""
         voice = voice if voice is not None else self.voice
         return SpeechRequest(
@@ -55,7 +57,7 @@ class Speaker:
         )
 
     def say(self, call: Call, text: str, *, turn_started_at: float | None = None,
-            capture: bool = False, voice: Voice | None = None,
+            capture: bool = False, voice: SpeechVoice | None = None,
             interruptible: bool = False) -> Utterance:
         """Start ``call`` saying ``text`` (live generation); returns at once with the handle.
 

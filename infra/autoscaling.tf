@@ -5,7 +5,7 @@
 # scrapes 127.0.0.1:<container_port>) reads it every minute and writes embedded-metric-format
 # records to the metrics log group; CloudWatch turns them into the metric
 # <metrics_namespace>/gateway_calls_active with dimensions ClusterName and ServiceName (added
-# as static scrape labels). It scrapes gateway_tts_slots_healthy too: an unlabelled gauge, so
+# as static scrape labels). It scrapes gateway_tts_engines_healthy too: an unlabelled gauge, so
 # exactly one sample per task per scrape, which counts the tasks reporting.
 #
 # Per-task average = Sum(calls samples) / SampleCount(task samples) over the same minute: the
@@ -20,7 +20,7 @@
 locals {
   scaling_metrics = {
     calls = "gateway_calls_active"
-    tasks = "gateway_tts_slots_healthy"
+    tasks = "gateway_tts_engines_healthy"
   }
 
   prometheus_scrape_config = {

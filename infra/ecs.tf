@@ -78,7 +78,7 @@ locals {
     GATEWAY_MAX_CALLS     = tostring(var.max_calls_per_task)
     # The ALB sends a call's stream to any task, so the task answering the voice webhook holds
     # no seat for it (it would be a phantom seat on every other task): each task admits the
-    # streams it gets against its own GATEWAY_MAX_CALLS (README "Several replicas").
+    # streams it gets against its own GATEWAY_MAX_CALLS (docs/operators/fleet.md).
     GATEWAY_TWILIO_RESERVATION_S = "0"
   }
   sip_environment = {

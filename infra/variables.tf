@@ -92,7 +92,7 @@ variable "instance_type" {
 }
 
 variable "ami_ssm_parameter" {
-  description = "SSM public parameter holding the ECS GPU-optimised AMI id. Amazon Linux 2023's GPU AMI ships NVIDIA driver 580.x, which the image's CUDA 13 torch needs (>= 580); Amazon Linux 2's ships 550.x and needs an image built for CUDA 12 (README \"Docker image\")."
+  description = "SSM public parameter holding the ECS GPU-optimised AMI id. Amazon Linux 2023's GPU AMI ships NVIDIA driver 580.x, which the image's CUDA 13 torch needs (>= 580); Amazon Linux 2's ships 550.x and needs an image built for CUDA 12 (docs/operators/deploy.md)."
   type        = string
   default     = "/aws/service/ecs/optimized-ami/amazon-linux-2023/gpu/recommended/image_id"
 }

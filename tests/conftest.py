@@ -182,11 +182,11 @@ def demo_virtual(tiny_model_dir: Path, demo_cache_dir: Path
 @pytest.fixture(scope="session")
 def demo_cache_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     """The demo script's static prompts rendered once per run into an on-disk cache, exactly as
-    ``gateway prompts render`` does; servers and runner tests in this run start from it."""
+    ``gateway script render`` does; servers and runner tests in this run start from it."""
     from gateway.cli import main
 
     def render(cache: Path) -> None:
-        code = main(["prompts", "render", str(DEMO_SCRIPT), "--model", str(tiny_model_dir),
+        code = main(["script", "render", str(DEMO_SCRIPT), "--model", str(tiny_model_dir),
                      "--device", "cpu", "--cache-dir", str(cache)])
         assert code == 0
 

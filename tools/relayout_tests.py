@@ -87,7 +87,7 @@ SUITES: list[tuple[str, str]] = [
     (r"^test_(docker|dockerfile|infra|terraform|ci|readme|docs|mkdocs|changelog)(_|$)",
      "deployment"),
     # Package-wide naming checks (renames, deprecated aliases), beside test_architecture.
-    (r"^test_names?(_|$)", "unit"),
+    (r"^test_(re)?names?(_|$)", "unit"),
 ]
 
 #: After the package rules, for names they may not place (the module they test not written
@@ -319,7 +319,7 @@ def _rewrite_references() -> list[Path]:
         placed = place(match.group(1))
         if placed is None or not (TESTS / placed[0]).exists():
             return match.group(0)
-        return f"tests/{placed[0]}"
+        return f"tests/{placed[0].removesuffix('.py')}{match.group(2)}.py"
 
     def by_name(match: re.Match[str]) -> str:
         placed = place(match.group(1))
@@ -331,7 +331,8 @@ def _rewrite_references() -> list[Path]:
         package = match.group(1)
         return f"tests/unit/{package}/" if (TESTS / UNIT / package).is_dir() else match.group(0)
 
-    path_ref = re.compile(r"(?<![\w/.])tests/(test_\w+)\.py(?![\w])")
+    # ``tests/test_x.py``, or ``tests/test_x\.py`` inside a regular expression
+    path_ref = re.compile(r"(?<![\w/.])tests/(test_\w+)(\\?)\.py(?![\w])")
     name_ref = re.compile(r"(?<![\w.])tests\.(test_\w+)(?![\w])")
     glob_ref = re.compile(r"(?<![\w/.])tests/test_([a-z]+)_\*\.py")
     helper_ref = re.compile("|".join(rf"(?<![\w/.]){re.escape(old)}(?![\w])"

@@ -12,7 +12,7 @@
   transcripts with word timings), and :mod:`gateway.asr.factory`, which of the two a gateway
   runs (``GATEWAY_ASR``);
 * :mod:`gateway.asr.pool` - recognisers in worker processes (:class:`RecognizerPool`) and the
-  per-turn :class:`SpeechSession` a call feeds 20 ms frames while a speech gather listens
+  per-turn :class:`SpeechListener` a call feeds 20 ms frames while a speech gather listens
   (when the turn is over is the IVR's: :mod:`gateway.ivr.listening`);
 * :mod:`gateway.asr.synth` - synthetic caller speech (flite, espeak-ng) through the G.711 path,
   for tests, the benchmark and the load simulator.
@@ -30,7 +30,7 @@ from gateway.asr.base import (
     Vocabulary,
 )
 from gateway.asr.grammar import SpeechGrammar, language_code
-from gateway.asr.pool import RecognizerPool, SpeechSession
+from gateway.asr.pool import RecognizerPool, SpeechListener
 
 __all__ = [
     "Encoding",
@@ -39,7 +39,7 @@ __all__ = [
     "Recognizer",
     "RecognizerPool",
     "SpeechGrammar",
-    "SpeechSession",
+    "SpeechListener",
     "UnknownWord",
     "Vocabulary",
     "language_code",

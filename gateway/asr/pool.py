@@ -1,4 +1,4 @@
-"""Recognition off the event loop: recognisers in worker processes, one listening session per turn.
+"""Recognition off the event loop: recognisers in worker processes, one speech listener per turn.
 
 Why processes and not a thread pool: PocketSphinx (like most C decoders wrapped for Python)
 holds the GIL for the whole of a decode; measured, a 0.3 s decode stalled another Python thread
@@ -17,9 +17,9 @@ also make a decoder crash an exception for one turn instead of the end of the ga
   keys with a logged reason": a dead worker (the pool is rebuilt for the next turn), no answer
   within ``timeout_s``, or more turns waiting than ``max_pending`` (overload sheds speech, not
   calls).
-* :class:`SpeechSession` is the per-turn, sans-I/O part the call feeds frame by frame while a
+* :class:`SpeechListener` is the per-turn, sans-I/O part the call feeds frame by frame while a
   speech gather listens. ``feed`` only appends bytes (cheap enough for the 20 ms path); the
-  VAD's speech start (:meth:`SpeechSession.speech_started`) marks where the turn begins, with a
+  VAD's speech start (:meth:`SpeechListener.speech_started`) marks where the turn begins, with a
   pre-roll because the VAD fires ~250 ms into the speech; ``await finish()`` recognises.
 """
 
@@ -42,7 +42,7 @@ from gateway.asr.base import RATE, Encoding, MatchStatus, RecognitionResult, Rec
 from gateway.asr.grammar import SpeechGrammar
 from gateway.errors import RecognizerError, RecognizerTimeout, RecognizerUnavailable
 
-__all__ = ["RecognizerFactory", "RecognizerPool", "SpeechSession"]
+__all__ = ["RecognizerFactory", "RecognizerPool", "SpeechListener"]
 
 log = logging.getLogger(__name__)
 
@@ -226,17 +226,17 @@ class RecognizerPool:
         """Check and compile ``grammar`` in one worker (others compile it on first use)."""
         await self._submit(_worker_prepare, grammar)
 
-    def session(
+    def listener(
         self,
         grammar: SpeechGrammar,
         *,
         encoding: Encoding = "pcmu",
         max_speech_s: float = MAX_SPEECH_S,
         vad_gated: bool = True,
-    ) -> SpeechSession:
-        """A listening session for one turn (see :class:`SpeechSession`)."""
-        return SpeechSession(self.recognize, grammar, encoding=encoding,
-                             max_speech_s=max_speech_s, vad_gated=vad_gated)
+    ) -> SpeechListener:
+        """A speech listener for one turn (see :class:`SpeechListener`)."""
+        return SpeechListener(self.recognize, grammar, encoding=encoding,
+                              max_speech_s=max_speech_s, vad_gated=vad_gated)
 
     async def close(self) -> None:
         """Stop the workers (turns in flight fail with RecognizerUnavailable)."""
@@ -277,7 +277,7 @@ def _kill(executor: concurrent.futures.ProcessPoolExecutor, wait: bool = True) -
     executor.shutdown(wait=wait, cancel_futures=True)
 
 
-class SpeechSession:
+class SpeechListener:
     """One caller turn's audio while a speech gather listens; sans-I/O until it recognises.
 
     It is the :class:`~gateway.call.session.InboundListener` a call feeds while the gather
@@ -398,7 +398,7 @@ class SpeechSession:
             raise RecognizerError(f"bad audio for recognition: {exc}") from exc
 
     async def recognize(self) -> RecognitionResult:
-        """Recognise the audio so far (off the loop); the session keeps listening.
+        """Recognise the audio so far (off the loop); the listener keeps listening.
 
         NO_SPEECH without decoding if speech never started; RecognizerError on failure.
         """
@@ -414,7 +414,7 @@ class SpeechSession:
         when recognition fails; call it once.
         """
         if self._finished:
-            raise RuntimeError("this speech session has finished")
+            raise RuntimeError("this speech listener has finished")
         self._finished = True
         if not self._started:
             self._buf = bytearray()

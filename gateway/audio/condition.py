@@ -286,7 +286,7 @@ class LevelNormalizer:
 
 @dataclass(frozen=True)
 class Conditioning:
-    """Which conditioning the phone path applies (from settings; see the README table)."""
+    """Which conditioning the phone path applies (settings: see the configuration reference)."""
 
     trim_leading_silence: bool = True
     normalize_level: bool = True

@@ -1,8 +1,8 @@
-"""The transport-agnostic call and its one lifecycle (see DESIGN.md, "gateway/call").
+"""The transport-agnostic call and its one lifecycle (docs/architecture/index.md, "gateway/call").
 
 - :mod:`gateway.call.events`: inbound events (:class:`Dtmf`, :class:`PlaybackDone`,
-  :class:`SpeechStarted`, :class:`SpeechPaused`, :class:`SpeechFailed`, :class:`Hangup`) and
-  outcomes (:class:`TransferTo`, :class:`HangUp`).
+  :class:`SpeechStarted`, :class:`SpeechPaused`, :class:`SpeechFailed`, :class:`CallerHungUp`) and
+  outcomes (:class:`TransferTo`, :class:`EndCall`).
 - :mod:`gateway.call.session`: :class:`Call`, the media session a dialog talks to, and the
   :class:`CallTransport` protocol a transport adapter implements.
 - :mod:`gateway.call.playout`: pacing and backpressure of outbound frames, per
@@ -19,12 +19,12 @@
 
 from gateway.call.admission import Admission, Refusal
 from gateway.call.events import (
+    CallerHungUp,
     CallEvent,
     CallOutcome,
     Codec,
     Dtmf,
-    HangUp,
-    Hangup,
+    EndCall,
     PlaybackDone,
     SpeechFailed,
     SpeechPaused,
@@ -57,14 +57,14 @@ __all__ = [
     "CallOutcome",
     "CallRegistry",
     "CallTransport",
+    "CallerHungUp",
     "Codec",
     "DetectorFactory",
     "Dialog",
     "DialogFactory",
     "Dtmf",
+    "EndCall",
     "FrameSink",
-    "HangUp",
-    "Hangup",
     "InactivityWatch",
     "InboundListener",
     "InboundRate",

@@ -15,10 +15,10 @@ from typing import Literal
 __all__ = [
     "CallEvent",
     "CallOutcome",
+    "CallerHungUp",
     "Codec",
     "Dtmf",
-    "HangUp",
-    "Hangup",
+    "EndCall",
     "PlaybackDone",
     "SpeechFailed",
     "SpeechPaused",
@@ -76,14 +76,15 @@ class SpeechFailed:
 
 
 @dataclass(frozen=True, slots=True)
-class Hangup:
-    """The caller (or the network) ended the call."""
+class CallerHungUp:
+    """The caller (or the network) ended the call: an event the dialog reads, not to be
+    confused with :class:`EndCall`, the outcome a dialog asks for."""
 
     reason: str = "hangup"
     at: float = field(kw_only=True)
 
 
-CallEvent = Dtmf | PlaybackDone | SpeechStarted | SpeechPaused | SpeechFailed | Hangup
+CallEvent = Dtmf | PlaybackDone | SpeechStarted | SpeechPaused | SpeechFailed | CallerHungUp
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +95,8 @@ class TransferTo:
 
 
 @dataclass(frozen=True, slots=True)
-class HangUp:
-    """End the call."""
+class EndCall:
+    """End the call: the outcome a dialog asks for (``await call.end(EndCall())``)."""
 
 
-CallOutcome = TransferTo | HangUp
+CallOutcome = TransferTo | EndCall

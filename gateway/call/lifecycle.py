@@ -10,7 +10,7 @@ A transport adapter asks :class:`CallLifecycle` three things and nothing else:
    speech detector for the call's codec, inactivity watch), registers it, and runs the dialog
    the :class:`DialogFactory` chooses for it;
 3. :meth:`~CallLifecycle.finish` when its wire side is over (stop, BYE, socket gone, timed out):
-   the dialog is told (:class:`~gateway.call.events.Hangup`) and stopped, the call's work
+   the dialog is told (:class:`~gateway.call.events.CallerHungUp`) and stopped, the call's work
    cancelled, its seat released and it is forgotten.
 
 So a new transport (WebRTC, a plain WebSocket) is one adapter: parse its wire, call these, and
@@ -29,7 +29,7 @@ from typing import Protocol
 from gateway.aio import cancel_and_wait
 from gateway.audio.condition import Conditioning
 from gateway.call.admission import Admission, Refusal
-from gateway.call.events import Codec, HangUp, Hangup
+from gateway.call.events import CallerHungUp, Codec, EndCall
 from gateway.call.frames import PromptFrames
 from gateway.call.inactivity import InactivityWatch
 from gateway.call.inbound import InboundCap, InboundRate
@@ -161,7 +161,7 @@ class CallLifecycle:
         """The call's wire side is over: stop everything it was doing and forget it."""
         if call.call_id not in self.registry or self.registry.get(call.call_id) is not call:
             return
-        call.deliver(Hangup(reason, at=self.clock.now()))  # also marks the call ended: a
+        call.deliver(CallerHungUp(reason, at=self.clock.now()))  # also marks the call ended: a
         # dialog still running its last step can start nothing new from here on
         task = self._dialog_tasks.pop(call.call_id, None)
         if task is asyncio.current_task():
@@ -188,7 +188,7 @@ class CallLifecycle:
             raise
         except Exception:
             log.exception("call %s: dialog failed; hanging up", call.call_id)
-            await call.end(HangUp())
+            await call.end(EndCall())
         finally:
             self._dialog_tasks.pop(call.call_id, None)
 
@@ -206,7 +206,7 @@ class CallLifecycle:
             log.warning("drain grace over: hanging up %d call(s)", len(left))
             # All at once: a hang-up may be a round trip to Twilio's REST API (seconds when it
             # retries), and the orchestrator's SIGKILL deadline does not wait for a queue.
-            results = await asyncio.gather(*(call.end(HangUp()) for call in left),
+            results = await asyncio.gather(*(call.end(EndCall()) for call in left),
                                            return_exceptions=True)
             for call, result in zip(left, results, strict=True):
                 # (A CancelledError here is that hang-up's own: the call ended meanwhile. The

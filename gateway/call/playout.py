@@ -80,7 +80,7 @@ from gateway.clock import Clock
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FrameSink", "Playout", "PlayoutPolicy", "Speaker", "start_buffer_setting"]
+__all__ = ["FrameOwner", "FrameSink", "Playout", "PlayoutPolicy", "start_buffer_setting"]
 
 #: Slack when comparing a clock reading with a deadline computed from it (float rounding).
 _EPS = 1e-6
@@ -175,20 +175,20 @@ class FrameSink(Protocol):
         """The far end drops what it has buffered (Twilio ``clear``; RTP: a new talkspurt)."""
 
 
-class Speaker(Protocol):
+class FrameOwner(Protocol):
     """Whose frames these are: the playout reports their release (an utterance)."""
 
     def frames_released(self, count: int, at: float) -> None: ...
 
 
 class _Start:
-    """Frames after this one belong to ``speaker``; a live utterance's first is held (the start
+    """Frames after this one belong to ``owner``; a live utterance's first is held (the start
     buffer) until ``first_release_at`` says, or until the utterance is ``complete``."""
 
-    __slots__ = ("complete", "live", "not_before", "queued_at", "speaker")
+    __slots__ = ("complete", "live", "not_before", "owner", "queued_at")
 
-    def __init__(self, speaker: Speaker, live: bool) -> None:
-        self.speaker = speaker
+    def __init__(self, owner: FrameOwner, live: bool) -> None:
+        self.owner = owner
         self.live = live
         #: The source's playback origin (the producer's latest word on it).
         self.not_before: float | None = None
@@ -226,7 +226,7 @@ class Playout:
         silence: bytes,
         on_played: Callable[[str], None],
         on_failure: Callable[[BaseException], None] | None = None,
-        on_underrun: Callable[[Speaker, float, bool], None] | None = None,
+        on_underrun: Callable[[FrameOwner, float, bool], None] | None = None,
     ) -> None:
         self._sink = sink
         self._clock = clock
@@ -239,14 +239,14 @@ class Playout:
         self._buffer: collections.deque[_Entry] = collections.deque()
         #: Frames in the buffer (control entries not counted).
         self.buffered = 0
-        self._speaker: Speaker | None = None
+        self._owner: FrameOwner | None = None
         # The latest utterance begun (the producer's pushes update its start), and the one whose
         # first frame waits at the head (the start buffer's hold).
         self._open: _Start | None = None
         self._starting: _Start | None = None
         # The utterance whose frames are going out (first frame released, end not yet reached),
         # and since when it has had nothing at the far end (an underrun in progress).
-        self._playing: Speaker | None = None
+        self._playing: FrameOwner | None = None
         self._dry_since: float | None = None
         # RTP: the far end's playback of the utterance going out (its jitter buffer's schedule:
         # beat k is needed at origin + k frames; it slips where a beat came late), and the
@@ -278,15 +278,15 @@ class Playout:
 
     # --- producer side ------------------------------------------------------------------------
 
-    def begin(self, speaker: Speaker, *, live: bool = False) -> None:
-        """Frames pushed from now on belong to ``speaker`` (it hears when they are released).
+    def begin(self, owner: FrameOwner, *, live: bool = False) -> None:
+        """Frames pushed from now on belong to ``owner`` (it hears when they are released).
 
         ``live``: they come from a source as it generates them (a speech stream), so the first
         is held for the policy's start buffer (module docstring); a prompt played from memory
         (``live=False``) is all in hand and starts at once.
         """
         self._close_open()
-        entry = _Start(speaker, live)
+        entry = _Start(owner, live)
         self._open = entry
         self._buffer.append(entry)
         self._wake.set()
@@ -352,7 +352,7 @@ class Playout:
             fade = next((e for e in self._buffer if isinstance(e, bytes)), None)
         self._buffer.clear()
         self.buffered = 0
-        self._speaker = None
+        self._owner = None
         self._open = self._starting = None
         self._end_playing()
         self._epoch += 1
@@ -479,22 +479,22 @@ class Playout:
             # On a held beat (RTP) silence goes out, as on any beat with nothing to say.
             frames = [] if hold_until is not None else self._take(
                 min(room, policy.max_frames_per_send))
-            speaker = self._speaker
+            owner = self._owner
             if not frames:
                 if not policy.keepalive:
                     continue
                 frames = [self._silence]
-                speaker = None  # keep-alive silence is nobody's audio
+                owner = None  # keep-alive silence is nobody's audio
             if policy.keepalive:
-                self._beat(speaker, now)
-            elif speaker is not None:
-                self._started(speaker, now)
+                self._beat(owner, now)
+            elif owner is not None:
+                self._started(owner, now)
             await self._sink.send_frames(frames)
             pacer.sent(len(frames))
             self.frames_released += len(frames)
-            if speaker is not None:
+            if owner is not None:
                 # Stamped once the transport has taken the frames: what the caller waits for.
-                speaker.frames_released(len(frames), clock.now())
+                owner.frames_released(len(frames), clock.now())
 
     def _hold_until(self, now: float) -> float | None:
         """While the head frame is a live utterance's first and its start buffer is not full:
@@ -511,24 +511,24 @@ class Playout:
             return None
         return at
 
-    def _started(self, speaker: Speaker, now: float) -> None:
-        """Twilio: frames of ``speaker`` go out now: its first ones, or ones ending an
+    def _started(self, owner: FrameOwner, now: float) -> None:
+        """Twilio: frames of ``owner`` go out now: its first ones, or ones ending an
         underrun (the far end ran dry at ``_dry_since``)."""
         self._starting = None
-        if self._playing is not speaker:
-            self._playing, self._dry_since = speaker, None
+        if self._playing is not owner:
+            self._playing, self._dry_since = owner, None
             return
         dry_since, self._dry_since = self._dry_since, None
         if dry_since is not None:
-            self._underrun(speaker, now - dry_since, starved=True)
+            self._underrun(owner, now - dry_since, starved=True)
 
-    def _beat(self, speaker: Speaker | None, now: float) -> None:
-        """RTP: a beat goes out now, ``speaker``'s frame or silence (None); a phone with a fixed
+    def _beat(self, owner: FrameOwner | None, now: float) -> None:
+        """RTP: a beat goes out now, ``owner``'s frame or silence (None); a phone with a fixed
         jitter buffer would hear a gap where it comes late or silent mid-utterance."""
-        if speaker is not None and self._playing is not speaker:
+        if owner is not None and self._playing is not owner:
             # The utterance's first frame: the phone plays it a jitter buffer from now.
             self._starting = None
-            self._playing = speaker
+            self._playing = owner
             far = self._far
             far.start(now + self.policy.far_end_buffer_s)
             far.sent(1)
@@ -544,18 +544,18 @@ class Playout:
             far.slip(stall)  # the phone played nothing meanwhile: its clock slips
         else:
             stall = 0.0
-        if speaker is None:
+        if owner is None:
             self._dry_s += stall + FRAME_S
             return
         dry, self._dry_s = self._dry_s, 0.0
         self._underrun(playing, dry + stall, starved=dry > 0)
 
-    def _underrun(self, speaker: Speaker, silence: float, *, starved: bool) -> None:
+    def _underrun(self, owner: FrameOwner, silence: float, *, starved: bool) -> None:
         if silence > UNDERRUN_TOLERANCE_S:
             self.underruns += 1
             self.underrun_s += silence
             if self._on_underrun is not None:
-                self._on_underrun(speaker, silence, starved)
+                self._on_underrun(owner, silence, starved)
 
     def _end_playing(self) -> None:
         self._playing = None
@@ -598,7 +598,7 @@ class Playout:
         # utterance, a barge-in's clear): silence from here on is not an underrun.
         self._end_playing()
         if isinstance(entry, _Start):
-            self._speaker = entry.speaker
+            self._owner = entry.owner
             self._starting = entry if entry.live else None
         elif isinstance(entry, _Mark):
             if self.policy.far_end_marks:

@@ -1,6 +1,6 @@
 """The call as a media session: inbound events in, paced 20 ms G.711 frames out.
 
-Every transport's call is one :class:`Call`. Its transport adapter (``gateway.twilio.session``,
+Every transport's call is one :class:`Call`. Its transport adapter (``gateway.twilio.stream``,
 ``gateway.sip.endpoint``, or a third one) only translates: it reports what arrives on the wire
 (:meth:`Call.inbound_audio`, :meth:`Call.dtmf`, :meth:`Call.playback_done`, :meth:`Call.received`)
 and implements :class:`CallTransport` to put frames, marks and ``clear`` on the wire and to end
@@ -63,11 +63,11 @@ from gateway.audio.framer import PhonePipeline
 from gateway.audio.g711 import codec_silence, float_to_int16
 from gateway.audio.resample import INPUT_RATE
 from gateway.call.events import (
+    CallerHungUp,
     CallEvent,
     CallOutcome,
     Codec,
     Dtmf,
-    Hangup,
     PlaybackDone,
     SpeechFailed,
     SpeechPaused,
@@ -75,7 +75,7 @@ from gateway.call.events import (
 )
 from gateway.call.frames import PromptFrames
 from gateway.call.inactivity import InactivityWatch
-from gateway.call.playout import FRAME_S, FrameSink, Playout, PlayoutPolicy, Speaker
+from gateway.call.playout import FRAME_S, FrameOwner, FrameSink, Playout, PlayoutPolicy
 from gateway.clock import Clock
 from gateway.errors import EngineError
 from gateway.metrics import Metrics
@@ -220,7 +220,7 @@ _DETECTOR_MEMORY_S = 1.0
 
 class InboundListener(Protocol):
     """Takes a call's inbound audio while a speech gather listens (a
-    :class:`~gateway.asr.pool.SpeechSession`). Called on the call's task, frame by frame;
+    :class:`~gateway.asr.pool.SpeechListener`). Called on the call's task, frame by frame;
     times are on the call's clock."""
 
     def feed(self, frame: bytes | bytearray | memoryview) -> object: ...
@@ -551,7 +551,7 @@ class Call:
             utterance = self._pending_marks.pop(event.name, None)
             if utterance is not None:
                 utterance.played.set()
-        if isinstance(event, Hangup):
+        if isinstance(event, CallerHungUp):
             self.ended = True
         self._post(event)
 
@@ -567,7 +567,7 @@ class Call:
             if self.events_dropped == 1:
                 log.warning("call %s: %d events unread; dropping the excess", self.call_id,
                             MAX_EVENTS)
-            if not isinstance(event, Hangup | SpeechFailed):
+            if not isinstance(event, CallerHungUp | SpeechFailed):
                 return
             events.get_nowait()
         events.put_nowait(event)
@@ -578,26 +578,26 @@ class Call:
     def _inactive(self) -> None:
         self.transport.abort("inbound timeout")
 
-    def _underrun(self, speaker: Speaker, silence_s: float, starved: bool) -> None:
+    def _underrun(self, utterance: FrameOwner, silence_s: float, starved: bool) -> None:
         """The caller heard ``silence_s`` of silence in the middle of an utterance (``starved``:
         while it waited for audio, not while its audio waited to be sent)."""
-        if not isinstance(speaker, Utterance):
+        if not isinstance(utterance, Utterance):
             return
-        speaker.underruns += 1
-        speaker.underrun_s += silence_s
+        utterance.underruns += 1
+        utterance.underrun_s += silence_s
         # The engine's own count says whose the gap is: the chunk that ended it came late from
         # the engine (also in gateway_tts_underruns_total), or it was on time and lost its lead
         # on the way (the phone path, the event loop, the transport). One late chunk explains
         # one gap: a beat a stalled loop sends late after it is not the engine's.
-        cause = "engine" if starved and speaker.late_chunk else "playout"
+        cause = "engine" if starved and utterance.late_chunk else "playout"
         if cause == "engine":
-            speaker.late_chunk = False
+            utterance.late_chunk = False
         if self._metrics is not None:
             self._metrics.playout_underruns.labels(self._transport_name, cause).inc()
             self._metrics.playout_underrun_seconds.labels(self._transport_name, cause
                                                           ).inc(silence_s)
         log.info("call %s: %s ran dry for %.1f ms after %d frames (%s)", self.call_id,
-                 speaker.id, 1000 * silence_s, speaker.frames_sent, cause)
+                 utterance.id, 1000 * silence_s, utterance.frames_sent, cause)
 
     def _playout_failed(self, exc: BaseException) -> None:
         # A transport that cannot take frames any more: the call cannot go on.

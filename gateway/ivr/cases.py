@@ -1,6 +1,6 @@
 """Script tests: scripted callers through the real IVR runner, no model, no network.
 
-``gateway prompts test SCRIPT CASES.yaml`` runs each case of a case file (see
+``gateway script test SCRIPT CASES.yaml`` runs each case of a case file (see
 ``prompts/demo.cases.yaml``) as a call: the runner walks the script exactly as in production,
 on a virtual clock (a 5 s gather timeout costs nothing), with every sentence "played" at once as
 a 20 ms silence (it checks the flow, not the audio), webhooks answered from the case file and,
@@ -29,7 +29,7 @@ Once the steps run out the caller stays silent until the call ends. ``path``, ``
 ``hears`` and ``outcome`` are each optional and exact; a failure says where the call diverged.
 ``says`` checks the sentences as written, their values filled in (``Your balance is 456.10``);
 ``hears`` the words the engine speaks (``Your balance is four hundred and fifty-six dollars,
-ten cents``), read the way the script (or, with ``gateway prompts test --line``, a line of a
+ten cents``), read the way the script (or, with ``gateway script test --line``, a line of a
 lines file) reads them.
 
 A ``say`` step is heard as its words: a speech gather recognises exactly the phrase (or digit
@@ -62,9 +62,9 @@ from pydantic import (
 
 from gateway.asr.base import Encoding, MatchStatus, RecognitionResult
 from gateway.asr.grammar import SpeechGrammar, match, phrase_words
-from gateway.asr.pool import SpeechSession
+from gateway.asr.pool import SpeechListener
 from gateway.audio.g711 import Codec
-from gateway.call.events import CallOutcome, Hangup, SpeechPaused, SpeechStarted
+from gateway.call.events import CallerHungUp, CallOutcome, SpeechPaused, SpeechStarted
 from gateway.call.playout import PlayoutPolicy
 from gateway.call.session import Call, Utterance
 from gateway.clock import VirtualClock
@@ -84,8 +84,7 @@ from gateway.ivr.script import (
 )
 from gateway.ivr.script import Script as IvrScript
 from gateway.ivr.trace import CallTrace
-from gateway.speech import Speaker
-from gateway.speech import Voice as SpeechVoice
+from gateway.speech import Speaker, SpeechVoice
 from gateway.text import Reader
 
 __all__ = [
@@ -342,10 +341,10 @@ class _HeardAsWritten:
     def __init__(self) -> None:
         self.said = ""
 
-    def session(self, grammar: SpeechGrammar, *, encoding: Encoding = "pcmu",
-                max_speech_s: float = 10.0) -> SpeechSession:
-        return SpeechSession(self._recognize, grammar, encoding=encoding,
-                             max_speech_s=max_speech_s)
+    def listener(self, grammar: SpeechGrammar, *, encoding: Encoding = "pcmu",
+                 max_speech_s: float = 10.0) -> SpeechListener:
+        return SpeechListener(self._recognize, grammar, encoding=encoding,
+                              max_speech_s=max_speech_s)
 
     async def _recognize(self, pcm: np.ndarray, grammar: SpeechGrammar) -> RecognitionResult:
         words = phrase_words(self.said)
@@ -459,7 +458,7 @@ async def run_case(script: IvrScript, case: Case, position: tuple[int, int] = (1
             elif isinstance(step, Say):
                 await _say(call, clock, heard, step.say)
             else:
-                call.deliver(Hangup(at=clock.now()))
+                call.deliver(CallerHungUp(at=clock.now()))
         # The caller says nothing more: let time run until the call ends.
         while not task.done():
             if not await turn():
@@ -487,24 +486,24 @@ async def _say(call: Call, clock: VirtualClock, heard: _HeardAsWritten, text: st
     words' time, then a pause begins that the listening gather, if any, ends the turn with."""
     heard.said = text
     listener = call.listener
-    session = listener if isinstance(listener, SpeechSession) else None
+    speech = listener if isinstance(listener, SpeechListener) else None
     now = clock.now()
-    if session is not None:
-        session.speech_started(now)
+    if speech is not None:
+        speech.speech_started(now)
     call.deliver(SpeechStarted(at=now))
     await clock.advance(_SECONDS_PER_WORD * max(1, len(phrase_words(text))))
-    if session is None or call.listener is not session:
+    if speech is None or call.listener is not speech:
         return
-    session.feed(_SILENCE.tobytes())
+    speech.feed(_SILENCE.tobytes())
     now = clock.now()
-    session.speech_paused(now)
+    speech.speech_paused(now)
     call.deliver(SpeechPaused(now, at=now))
     # The caller is silent now, waiting for an answer: let the gather's end-of-speech timeouts
     # run out until it decides (it stops listening then).
     for _ in range(_SAY_STEPS):
         for _ in range(5):
             await asyncio.sleep(0)
-        if call.listener is not session:
+        if call.listener is not speech:
             return
         deadline = clock.next_deadline()
         if deadline is not None:

@@ -250,7 +250,7 @@ class LinePlan:
 
 def is_lines_file(path: Path) -> bool:
     """True when ``path`` reads as a lines file (a mapping with ``lines`` and no ``nodes``),
-    so ``prompts validate`` and ``prompts render`` take either kind of file."""
+    so ``script validate`` and ``script render`` take either kind of file."""
     try:
         tree, _ = read_yaml(path.read_text(encoding="utf-8"), str(path), loader=_PlainLoader)
     except (OSError, UnicodeDecodeError, ScriptError):

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from gateway.asr.base import Encoding, RecognitionResult
 from gateway.asr.grammar import SpeechGrammar
-from gateway.asr.pool import SpeechSession
+from gateway.asr.pool import SpeechListener
 
 __all__ = ["SpeechDecision", "SpeechInput", "SpeechTurn"]
 
@@ -42,9 +42,9 @@ class SpeechInput(Protocol):
         """False while the recogniser is down (starting, restarting, closed): keys only."""
         ...
 
-    def session(self, grammar: SpeechGrammar, *, encoding: Encoding = "pcmu",
-                max_speech_s: float = ...) -> SpeechSession:
-        """A listening session for one turn."""
+    def listener(self, grammar: SpeechGrammar, *, encoding: Encoding = "pcmu",
+                 max_speech_s: float = ...) -> SpeechListener:
+        """A speech listener for one turn."""
         ...
 
 
@@ -68,16 +68,16 @@ _CAPPED = -1
 
 
 class SpeechTurn:
-    """The end-of-turn state machine over one :class:`SpeechSession` (module docstring).
+    """The end-of-turn state machine over one :class:`SpeechListener` (module docstring).
 
     Call :meth:`poll` whenever something may have changed (an event, a recognition done, a
     deadline passed); it returns the decision once there is one. Recognition failures
     (:class:`~gateway.errors.RecognizerError`) come out of :meth:`poll`.
     """
 
-    def __init__(self, session: SpeechSession, *, complete_s: float, incomplete_s: float,
+    def __init__(self, listener: SpeechListener, *, complete_s: float, incomplete_s: float,
                  max_speech_s: float) -> None:
-        self.session = session
+        self.listener = listener
         self.complete_s = complete_s
         self.incomplete_s = incomplete_s
         self.max_speech_s = max_speech_s
@@ -92,13 +92,13 @@ class SpeechTurn:
     @property
     def speaking(self) -> bool:
         """True once the caller started speaking in this turn."""
-        return self.session.speech
+        return self.listener.speech
 
     def deadline(self, now: float) -> float | None:
         """When :meth:`poll` may next decide with no event (None: only an event or the pending
         recognition can move the turn on). Ask after :meth:`poll`, which takes in a finished
         recognition."""
-        s = self.session
+        s = self.listener
         if not s.speech or s.started_at is None:
             return None
         cap = s.started_at + self.max_speech_s
@@ -114,7 +114,7 @@ class SpeechTurn:
     def poll(self, now: float) -> SpeechDecision | None:
         """The turn's decision at ``now``, or None to keep listening (see the class doc)."""
         self._collect()
-        s = self.session
+        s = self.listener
         if not s.speech or s.started_at is None:
             return None
         cap = s.started_at + self.max_speech_s
@@ -139,7 +139,7 @@ class SpeechTurn:
 
     def close(self) -> None:
         """Stop listening (a decision was made, keys won, or the call ended)."""
-        self.session.close()
+        self.listener.close()
         self._drop_pending()
 
     # --- internals -----------------------------------------------------------------------
@@ -151,7 +151,7 @@ class SpeechTurn:
         self._drop_pending()
         self.recognitions += 1
         self._pending_key = key
-        self.pending = asyncio.ensure_future(self.session.recognize())
+        self.pending = asyncio.ensure_future(self.listener.recognize())
 
     def _drop_pending(self) -> None:
         task, self.pending = self.pending, None
@@ -172,7 +172,7 @@ class SpeechTurn:
         self.pending = None
         result = task.result()  # RecognizerError propagates: the gather falls back to keys
         self._result, self._result_key = result, self._pending_key
-        s = self.session
+        s = self.listener
         if s.paused_at is not None and self._pending_key not in (s.pauses, _CAPPED):
             # The caller spoke on and paused again while it ran: recognise the newer pause.
             self._recognize(s.pauses)

@@ -15,8 +15,7 @@ from gateway.audio.condition import Conditioning
 from gateway.audio.g711 import float_to_int16
 from gateway.audio.resample import Decimator24kTo8k
 from gateway.ivr.cache import PromptCache, PromptKey
-from gateway.ivr.script import Script
-from gateway.ivr.script import Voice as ScriptVoice
+from gateway.ivr.script import Script, ScriptVoice
 from gateway.text import Reader
 from gateway.tts.engine import Engine, SpeechRequest, VoicePrompt
 from gateway.tts.service import SpeechService

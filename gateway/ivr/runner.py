@@ -39,10 +39,10 @@ import numpy as np
 from gateway.asr.base import MatchStatus, RecognitionResult
 from gateway.asr.grammar import SpeechGrammar
 from gateway.call.events import (
+    CallerHungUp,
     CallEvent,
     Dtmf,
-    HangUp,
-    Hangup,
+    EndCall,
     PlaybackDone,
     SpeechFailed,
     SpeechStarted,
@@ -61,17 +61,16 @@ from gateway.ivr.script import (
     Node,
     SayItem,
     Script,
+    ScriptVoice,
     Sentence,
     Webhook,
     canonical_language,
     render,
     template_variables,
 )
-from gateway.ivr.script import Voice as ScriptVoice
 from gateway.ivr.trace import CallTrace, Heard, KeyPress, Recognised, Visit, WebhookCall
 from gateway.metrics import Metrics
-from gateway.speech import Speaker
-from gateway.speech import Voice as SpeechVoice
+from gateway.speech import Speaker, SpeechVoice
 from gateway.text import Reader, Rendering
 
 log = logging.getLogger(__name__)
@@ -223,7 +222,7 @@ class IvrRunner:
             else:
                 log.error("call %s: %d steps without end; hanging up", self.call.call_id, MAX_STEPS)
             if self.call.outcome is None and not self.call.ended:
-                await self.call.end(HangUp())
+                await self.call.end(EndCall())
         except _CallEnded:
             log.info("call %s: caller left during %s", self.call.call_id, self.path[-1:])
         finally:
@@ -235,7 +234,7 @@ class IvrRunner:
         outcome = self.call.outcome
         if isinstance(outcome, TransferTo):
             trace.outcome, trace.target = "transfer", outcome.target
-        elif isinstance(outcome, HangUp):
+        elif isinstance(outcome, EndCall):
             trace.outcome = "hangup"
         elif self.call.ended:
             trace.outcome = "caller hung up"
@@ -272,7 +271,7 @@ class IvrRunner:
                 await self.call.end(TransferTo(node.transfer))
                 return None
             if node.hangup:
-                await self.call.end(HangUp())
+                await self.call.end(EndCall())
                 return None
             return node.next
         except _Failed as exc:
@@ -281,7 +280,7 @@ class IvrRunner:
                     "call %s: node %s failed: %s; %s", self.call.call_id, name, exc,
                     f"going to {target}" if target is not None else "hanging up")
             if target is None:
-                await self.call.end(HangUp())
+                await self.call.end(EndCall())
             return target
 
     def _arrive(self, node: Node) -> None:
@@ -430,7 +429,7 @@ class IvrRunner:
             event = await self._event_unless(utterance.played.wait(), utterance.failed.wait())
             if event is None:
                 return None
-            if isinstance(event, Hangup) or self.call.ended:
+            if isinstance(event, CallerHungUp) or self.call.ended:
                 raise _CallEnded()
             return None if isinstance(event, PlaybackDone) else event
         # Waiting for the caller: marks of earlier (interrupted) audio are not input and must
@@ -448,7 +447,7 @@ class IvrRunner:
                 if got is None:
                     deadline = self.clock.now() + timeout
                     continue
-            if isinstance(got, Hangup) or self.call.ended:
+            if isinstance(got, CallerHungUp) or self.call.ended:
                 raise _CallEnded()
             if not isinstance(got, PlaybackDone):
                 return got
@@ -536,13 +535,13 @@ class IvrRunner:
         ``grammar`` what the caller says, whichever completes first."""
         turn: SpeechTurn | None = None
         if grammar is not None and not self.typeahead and self.ctx.recognizer is not None:
-            session = self.ctx.recognizer.session(grammar, encoding=self.call.codec,
-                                                  max_speech_s=gather.max_speech)
-            turn = SpeechTurn(session, complete_s=gather.complete_timeout,
+            listener = self.ctx.recognizer.listener(grammar, encoding=self.call.codec,
+                                                    max_speech_s=gather.max_speech)
+            turn = SpeechTurn(listener, complete_s=gather.complete_timeout,
                               incomplete_s=gather.incomplete_timeout,
                               max_speech_s=gather.max_speech)
             # From the prompt's start: speech during it barges in and is the answer.
-            self.call.listen(session)
+            self.call.listen(listener)
         try:
             return await self._answer(gather, retry, turn)
         except RecognizerError as exc:
@@ -594,7 +593,7 @@ class IvrRunner:
                     if event is None:
                         no_input_at = self.clock.now() + timeout
                         continue
-                    if isinstance(event, Hangup) or self.call.ended:
+                    if isinstance(event, CallerHungUp) or self.call.ended:
                         raise _CallEnded()
                 else:
                     event, reached = await self._next_speech_event(turn, now, no_input_at)
@@ -636,7 +635,7 @@ class IvrRunner:
         if not getter.done() or getter.cancelled():
             return None, reached
         event = getter.result()
-        if isinstance(event, Hangup) or self.call.ended:
+        if isinstance(event, CallerHungUp) or self.call.ended:
             raise _CallEnded()
         return event, None
 

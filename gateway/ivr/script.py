@@ -325,8 +325,9 @@ SayItem = str | Sentence
 SayList = Annotated[list[SayItem], BeforeValidator(_as_list)]
 
 
-class Voice(BaseModel):
-    """Who speaks: a CustomVoice speaker, or a registered cloned voice."""
+class ScriptVoice(BaseModel):
+    """A script's ``voice:`` setting, who speaks: a CustomVoice speaker, or a registered cloned
+    voice (by name). What the engine is handed is a :class:`gateway.speech.SpeechVoice`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     speaker: str | None = None
@@ -337,7 +338,7 @@ class Voice(BaseModel):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _one_kind(self) -> Voice:
+    def _one_kind(self) -> ScriptVoice:
         if (self.speaker is None) == (self.clone is None):
             raise ValueError("give exactly one of 'speaker' (a built-in voice) or 'clone' "
                              "(a voice registered with `gateway voices add`)")
@@ -603,7 +604,7 @@ class Node(BaseModel):
                              "number (+15551234567) nor a SIP URI (sip:agent@pbx.example.com)")
         return self
 
-    def voice_after(self, voice: Voice, languages: Iterable[str] = LANGUAGES) -> Voice:
+    def voice_after(self, voice: ScriptVoice, languages: Iterable[str] = LANGUAGES) -> ScriptVoice:
         """The call's voice once this node's ``voice`` and ``set: {language}`` apply."""
         update: dict[str, Any] = {}
         change = self.voice
@@ -686,7 +687,7 @@ class Script(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
-    voice: Voice
+    voice: ScriptVoice
     start: str
     error: str | None = None
     variables: dict[str, str] = Field(default_factory=dict)
@@ -767,7 +768,7 @@ class Script(BaseModel):
                 return texts
         return {}
 
-    def spoken_voice(self, item: SayItem, voice: Voice) -> Voice:
+    def spoken_voice(self, item: SayItem, voice: ScriptVoice) -> ScriptVoice:
         """The voice ``item`` is spoken with when the call's voice is ``voice``."""
         if isinstance(item, Sentence) and item.language is not None:
             language = canonical_language(item.language)
@@ -775,13 +776,13 @@ class Script(BaseModel):
                 return voice.model_copy(update={"language": language})
         return voice
 
-    def voice_states(self) -> dict[str, list[Voice]]:
+    def voice_states(self) -> dict[str, list[ScriptVoice]]:
         """For each reachable node, every voice it may speak with (after its own ``voice`` and
         ``set: {language}``): the call's voice is a fact of the path, found by following the
         flow from ``start``. The error node may be reached from any node."""
-        arriving: dict[str, list[Voice]] = {}
+        arriving: dict[str, list[ScriptVoice]] = {}
 
-        def add(name: str, voice: Voice) -> bool:
+        def add(name: str, voice: ScriptVoice) -> bool:
             seen = arriving.setdefault(name, [])
             if voice in seen:
                 return False
@@ -807,7 +808,7 @@ class Script(BaseModel):
             if not any(grew):
                 break
             queue.append(error)
-        states: dict[str, list[Voice]] = {}
+        states: dict[str, list[ScriptVoice]] = {}
         for name, voices in arriving.items():
             for voice in voices:
                 after = self.nodes[name].voice_after(voice)
@@ -815,10 +816,10 @@ class Script(BaseModel):
                     states[name].append(after)
         return states
 
-    def static_renders(self) -> list[tuple[str, Voice]]:
+    def static_renders(self) -> list[tuple[str, ScriptVoice]]:
         """Every sentence without variables with each voice it may be spoken in: rendered
         once, served from the cache."""
-        found: dict[tuple[str, Voice], None] = {}
+        found: dict[tuple[str, ScriptVoice], None] = {}
         states = self.voice_states()
         for name, item in self.say_items():
             for call_voice in states.get(name, []):

@@ -51,7 +51,7 @@ from gateway.ivr.prompts import (
 from gateway.ivr.runner import IvrRunner, RunnerContext, load_sound
 from gateway.ivr.script import Script, ScriptError
 from gateway.metrics import Metrics
-from gateway.speech import Speaker, Voice
+from gateway.speech import Speaker, SpeechVoice
 from gateway.tts.engine import Engine
 from gateway.tts.service import SpeechService
 
@@ -60,12 +60,12 @@ log = logging.getLogger(__name__)
 __all__ = ["Reloader", "Switchboard", "Version", "VersionBuilder", "script_voice"]
 
 
-def script_voice(script: Script, voice: ResolvedVoice | None) -> Voice:
+def script_voice(script: Script, voice: ResolvedVoice | None) -> SpeechVoice:
     """The voice a script's calls speak with live (its speaker, or its cloned voice)."""
     spec = script.voice
-    return Voice(speaker=(spec.speaker or "ryan").lower(), language=spec.language,
-                 instruct=spec.style, seed=None,
-                 prompt=voice.prompt if voice is not None else None)
+    return SpeechVoice(speaker=(spec.speaker or "ryan").lower(), language=spec.language,
+                       instruct=spec.style, seed=None,
+                       prompt=voice.prompt if voice is not None else None)
 
 
 @dataclass(frozen=True)

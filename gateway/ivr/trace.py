@@ -4,7 +4,7 @@ the webhooks.
 The IVR runner fills a :class:`CallTrace` as the call goes; at hang-up it is logged as one
 structured record (``ivr trace``; under ``GATEWAY_LOG_FORMAT=json`` a ``trace`` object in the
 line), so an author can see what a caller went through without reading interleaved log lines.
-``gateway prompts test`` checks the same trace against what a case expects.
+``gateway script test`` checks the same trace against what a case expects.
 
 Times are seconds since the call was answered, on the runner's clock.
 """

@@ -31,7 +31,7 @@ from gateway.loadsim.emodel import estimate
 PACKETISATION_MS = 20.0
 JITTER_BUFFER_MS = 40.0
 #: The latency the simulator's own lateness is compared with when no SLO gives one: the
-#: first-audio bound callers notice (the README's SLOs use it). A 2 ms timing error cannot
+#: first-audio bound callers notice (the SLOs in docs/sizing.md use it). A 2 ms timing error cannot
 #: change what a caller feels about a 3 ms prompt, and it cannot flip a 200 ms verdict.
 DEFAULT_LATENCY_BOUND_MS = 200.0
 

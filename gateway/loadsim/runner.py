@@ -17,7 +17,7 @@ POSTs the voice webhook and opens the Media Stream its TwiML names
 - ``live``: every turn needs a live sentence, so first audio measures the engine, not the
   prompt cache. Meant for a gateway without a script: its first-call greeter speaks the
   greeting and reads back each key with a sentence generated for that key
-  (:func:`gateway.demo.digit_sentence`). The caller listens to each utterance to its end (its
+  (:func:`gateway.greeter.digit_sentence`). The caller listens to each utterance to its end (its
   ``mark`` on Twilio, the end of speech on SIP), waits ``think`` seconds and presses the next
   key of ``digits`` (one key per turn). The characters of every sentence heard whole are
   counted (the greeting's from ``greeting``, the gateway's default ``GATEWAY_GREETING`` unless
@@ -192,12 +192,12 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
     from gateway.loadsim.twilio_caller import Ticker
 
     # What the calls import, imported before the level's clock starts: a first import inside
-    # the first call (scipy through gateway.audio: 1.2 s; gateway.demo: 1.6 s) stalls every
+    # the first call (scipy through gateway.audio: 1.2 s; gateway.greeter: 1.6 s) stalls every
     # caller of the process and lands in the first turns' latency.
     if config.transport == "sip":
         import gateway.loadsim.sip_caller
     if config.scenario == "live":
-        import gateway.demo  # noqa: F401
+        import gateway.greeter  # noqa: F401
 
         config.greeting_text()
     for turn in config.turns():
@@ -404,7 +404,7 @@ async def _scenario(config: LoadConfig, leg: _Leg, t0: float, rng: random.Random
                 return turns, (f"{gone} before the sentence of {what} ended" if gone else
                                f"the sentence of {what} never ended (no end within "
                                f"{UTTERANCE_LIMIT_S:g} s)")
-            from gateway.demo import digit_sentence  # imported before the clock started
+            from gateway.greeter import digit_sentence  # imported before the clock started
 
             turn.chars = len(digit_sentence(keys))
     if config.scenario == "barge-in":

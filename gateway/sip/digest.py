@@ -11,9 +11,14 @@ wall clock, :meth:`~gateway.clock.Clock.wall`).
 Limits: only ``qop=auth`` (no ``auth-int``), no ``-sess`` algorithms; replay of a still-valid
 nonce is not detected (stateless by design; the SIP transaction layer absorbs retransmissions).
 
+The client side is :func:`authorization`: the ``Authorization`` / ``Proxy-Authorization`` value
+that answers a ``WWW-Authenticate`` / ``Proxy-Authenticate`` challenge (RFC 3261 22.2, 22.3),
+used by the user agent client (:mod:`gateway.sip.uac`). Both sides compute the digest with
+one function, so they cannot disagree.
+
 Nothing here raises on hostile input: :meth:`DigestAuthenticator.check` returns a
-:class:`DigestResult` saying why a request was refused; misconfiguration raises
-:class:`ValueError` at construction.
+:class:`DigestResult` saying why a request was refused, :func:`authorization` returns None for
+a challenge it cannot answer; misconfiguration raises :class:`ValueError` at construction.
 """
 
 from __future__ import annotations
@@ -28,7 +33,14 @@ from dataclasses import dataclass
 from gateway.clock import Clock, SystemClock
 from gateway.sip.message import SipRequest
 
-__all__ = ["ALGORITHMS", "DigestAuthenticator", "DigestResult", "parse_credentials"]
+__all__ = [
+    "ALGORITHMS",
+    "DigestAuthenticator",
+    "DigestResult",
+    "authorization",
+    "challenge_is_stale",
+    "parse_credentials",
+]
 
 #: RFC 8760 2.1 algorithm names, as sent in ``algorithm=``, to their hash.
 ALGORITHMS: dict[str, str] = {"MD5": "md5", "SHA-256": "sha256"}
@@ -124,6 +136,69 @@ def _algorithm(name: str) -> str | None:
         if known.lower() == name.lower():
             return known
     return None
+
+
+def _digest(algorithm: str, *, username: str, realm: str, password: str, method: str, uri: str,
+            nonce: str, qop: str | None = None, nc: str = "", cnonce: str = "") -> str:
+    """The request-digest (RFC 2617 3.2.2.1): with ``qop=auth``, or RFC 2069's without qop."""
+    ha1 = _hash(algorithm, f"{username}:{realm}:{password}")
+    ha2 = _hash(algorithm, f"{method}:{uri}")
+    if qop is None:
+        return _hash(algorithm, f"{ha1}:{nonce}:{ha2}")
+    return _hash(algorithm, f"{ha1}:{nonce}:{nc}:{cnonce}:{qop}:{ha2}")
+
+
+def challenge_is_stale(challenge: str) -> bool:
+    """Whether a challenge says ``stale=true``: the nonce expired, the credentials were right
+    (RFC 2617 3.2.1), so a client retries at once without asking anyone for a password."""
+    params = parse_credentials(challenge)
+    return params is not None and params.get("stale", "").lower() == "true"
+
+
+def authorization(
+    challenge: str,
+    *,
+    method: str,
+    uri: str,
+    username: str,
+    password: str,
+    cnonce: str | None = None,
+    nc: int = 1,
+) -> str | None:
+    """The credentials answering one ``WWW-Authenticate``/``Proxy-Authenticate`` value.
+
+    RFC 3261 22.2/22.4 with RFC 2617 3.2.2: ``uri`` is the request's Request-URI, ``opaque`` is
+    echoed, ``qop=auth`` is chosen when offered (with ``nc`` and a fresh ``cnonce``), RFC 2069
+    digests are computed for a challenge without qop. Returns None when the challenge is not a
+    Digest one we can answer (another scheme, an unknown algorithm, only ``auth-int``, no
+    realm or nonce): the request then fails with the challenge's status.
+    """
+    params = parse_credentials(challenge)
+    if params is None or "realm" not in params or "nonce" not in params:
+        return None
+    algorithm = _algorithm(params.get("algorithm", "MD5"))
+    if algorithm is None:
+        return None
+    qop: str | None = None
+    if "qop" in params:
+        offered = {option.strip().lower() for option in params["qop"].split(",")}
+        if "auth" not in offered:
+            return None  # auth-int alone: the body would have to be hashed; not supported
+        qop = "auth"
+    realm, nonce = params["realm"], params["nonce"]
+    count = f"{nc:08x}"
+    client_nonce = cnonce if cnonce is not None else secrets.token_hex(8)
+    response = _digest(algorithm, username=username, realm=realm, password=password,
+                       method=method, uri=uri, nonce=nonce, qop=qop, nc=count,
+                       cnonce=client_nonce)
+    value = (f"Digest username={_quote(username)}, realm={_quote(realm)}, "
+             f"nonce={_quote(nonce)}, uri={_quote(uri)}, response={_quote(response)}, "
+             f"algorithm={algorithm}")
+    if qop is not None:
+        value += f", qop={qop}, nc={count}, cnonce={_quote(client_nonce)}"
+    if "opaque" in params:
+        value += f", opaque={_quote(params['opaque'])}"
+    return value
 
 
 class DigestAuthenticator:
@@ -240,19 +315,18 @@ class DigestAuthenticator:
             # RFC 2617 3.2.2.5: the digest-uri must be the Request-URI.
             return DigestResult(None, reason="digest uri does not match the Request-URI")
 
-        ha1 = _hash(algorithm, f"{username}:{self.realm}:{password}")
-        ha2 = _hash(algorithm, f"{request.method}:{creds['uri']}")
         qop = creds.get("qop")
-        if qop is None:
-            # RFC 2069 compatibility (RFC 2617 3.2.2.1 without qop).
-            expected = _hash(algorithm, f"{ha1}:{creds['nonce']}:{ha2}")
-        elif qop.lower() == "auth":
-            nc, cnonce = creds.get("nc", ""), creds.get("cnonce", "")
+        nc, cnonce = creds.get("nc", ""), creds.get("cnonce", "")
+        if qop is not None:
+            # RFC 2069 compatibility when absent (RFC 2617 3.2.2.1 without qop).
+            if qop.lower() != "auth":
+                return DigestResult(None, reason=f"unsupported qop {qop!r}")
             if not _NC_RE.fullmatch(nc) or not cnonce:
                 return DigestResult(None, reason="qop=auth without a valid nc and cnonce")
-            expected = _hash(algorithm, f"{ha1}:{creds['nonce']}:{nc}:{cnonce}:auth:{ha2}")
-        else:
-            return DigestResult(None, reason=f"unsupported qop {qop!r}")
+            qop = "auth"
+        expected = _digest(algorithm, username=username, realm=self.realm, password=password,
+                           method=request.method, uri=creds["uri"], nonce=creds["nonce"],
+                           qop=qop, nc=nc, cnonce=cnonce)
         response = creds["response"].lower()
         if not _HEX_RE.fullmatch(response) or not hmac.compare_digest(expected, response):
             return DigestResult(None, reason="wrong response (password or digest)")

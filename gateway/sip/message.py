@@ -4,7 +4,8 @@
 both serialize back with :meth:`SipRequest.serialize` / :meth:`SipResponse.serialize`. The
 helpers parse the header values the transaction and dialog layers need (:func:`parse_name_addr`,
 :func:`parse_via`, :func:`parse_cseq`), build responses (:func:`response_to`, :func:`stamp_via`)
-and UAS-originated requests (:func:`build_request`). Nothing here touches a socket or a clock.
+and requests (:func:`build_request`), and route requests inside a dialog (:func:`dialog_route`,
+:func:`uri_hostport`). Nothing here touches a socket or a clock.
 
 Exception tree (all under :class:`gateway.errors.GatewayError`):
 
@@ -43,6 +44,7 @@ __all__ = [
     "SipResponse",
     "Via",
     "build_request",
+    "dialog_route",
     "new_branch",
     "new_call_id",
     "new_tag",
@@ -53,6 +55,7 @@ __all__ = [
     "reason_phrase",
     "response_to",
     "stamp_via",
+    "uri_hostport",
 ]
 
 
@@ -660,6 +663,40 @@ def parse_cseq(value: str) -> tuple[int, str]:
     return number, m.group(2)
 
 
+def dialog_route(remote_target: str, route_set: list[str]) -> tuple[str, list[str]]:
+    """Request-URI and Route values of a request inside a dialog (RFC 3261 12.2.1.1).
+
+    ``route_set`` is the dialog's (12.1.1, 12.1.2); the next hop is always its first entry.
+    A loose router (``;lr``, every current proxy) leaves the remote target in the Request-URI;
+    a strict one wants itself there and the target as the last Route.
+    """
+    if not route_set:
+        return remote_target, []
+    try:
+        first = parse_name_addr(route_set[0])
+    except SipParseError:
+        return remote_target, list(route_set)
+    uri_params = {p.split("=", 1)[0].strip().lower() for p in first.uri.split(";")[1:]}
+    if "lr" in uri_params:
+        return remote_target, list(route_set)
+    return first.uri, [*route_set[1:], f"<{remote_target}>"]
+
+
+def uri_hostport(uri: str) -> tuple[str, int]:
+    """Host and port (default 5060) of a SIP URI such as ``sip:user@127.0.0.1:5062;lr``:
+    where a request to it goes over UDP (RFC 3263 without DNS: the host is an address)."""
+    rest = uri.split(":", 1)[1] if uri.lower().startswith(("sip:", "sips:")) else uri
+    rest = rest.split(";", 1)[0].split("?", 1)[0].rpartition("@")[2]
+    if rest.startswith("["):
+        host, _, port = rest[1:].partition("]")
+        port = port.lstrip(":")
+    else:
+        host, _, port = rest.partition(":")
+    if not host or (port and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536)):
+        raise SipParseError(400, f"no host:port in URI {_short(uri)}")
+    return host, int(port) if port else 5060
+
+
 def new_tag() -> str:
     """A fresh From/To tag: 64 random bits (RFC 3261 19.3 asks for at least 32)."""
     return secrets.token_hex(8)
@@ -1218,7 +1255,8 @@ def build_request(
     max_forwards: int = 70,
     transport: str = "UDP",
 ) -> SipRequest:
-    """Build a request the UAS originates in a dialog (BYE, REFER, re-INVITE; RFC 3261 12.2.1.1).
+    """Build a request: a UAC's INVITE (RFC 3261 8.1.1), or one either side sends in a dialog
+    (BYE, REFER, re-INVITE, NOTIFY; 12.2.1.1).
 
     The Via carries a fresh magic-cookie branch (unless given) and ``rport`` (RFC 3581);
     ``from_``/``to``/``contact`` are full header values (with tags).

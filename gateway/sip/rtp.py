@@ -520,7 +520,22 @@ class RtpSender:
         if self._marker:
             second |= _MARKER_BIT
             self._marker = False
-        data = _HEADER.pack(_VERSION_BITS, second, self.sequence, self.timestamp, self.ssrc)
+        return self._emit(second, self.timestamp, payload)
+
+    def event_packet(self, payload: bytes, payload_type: int, timestamp: int,
+                     marker: bool) -> bytes:
+        """Serialized packet of a payload that rides in the stream on its own terms: an RFC 4733
+        event has its own payload type and keeps its start ``timestamp`` in every packet, with
+        the ``marker`` on its first only (RFC 4733 2.5.1), while the stream's sampling clock
+        advances under it as for any frame. A pending talkspurt marker stays for the next
+        :meth:`packet`."""
+        if not 0 <= payload_type <= MAX_PAYLOAD_TYPE:
+            raise RtpError(f"RTP payload type {payload_type} outside 0..{MAX_PAYLOAD_TYPE}")
+        second = payload_type | _MARKER_BIT if marker else payload_type
+        return self._emit(second, timestamp & TS_MASK, payload)
+
+    def _emit(self, second: int, timestamp: int, payload: bytes) -> bytes:
+        data = _HEADER.pack(_VERSION_BITS, second, self.sequence, timestamp, self.ssrc)
         self.sequence = seq_add(self.sequence, 1)
         self.timestamp = ts_add(self.timestamp, self.samples_per_frame)
         self.packets_sent += 1

@@ -2,7 +2,9 @@
 
 :func:`parse_sdp` reads an offer into :class:`SessionDescription`; :func:`negotiate` answers it
 (RFC 3264 section 6): the offer's first audio codec we speak, RFC 4733 telephone-event echoed,
-the direction mirrored, every other m-line rejected with port 0 but kept in place.
+the direction mirrored, every other m-line rejected with port 0 but kept in place. The
+offerer's side (a phone calling in, :mod:`gateway.sip.uac`): :func:`offer` writes an offer and
+:func:`read_answer` reads the answer's audio stream (RFC 3264 sections 5 and 7).
 
 Errors: :class:`SdpError` (a :class:`gateway.errors.GatewayError`) whose ``status`` is the SIP
 response to send: 400 for a malformed description, 413 for one over the size/line limits,
@@ -22,13 +24,16 @@ __all__ = [
     "STATIC_PAYLOAD_TYPES",
     "Answer",
     "Connection",
+    "MediaAnswer",
     "MediaDescription",
     "Origin",
     "RtpMap",
     "SdpError",
     "SessionDescription",
     "negotiate",
+    "offer",
     "parse_sdp",
+    "read_answer",
 ]
 
 #: Size limits: an audio offer is a few hundred bytes; these leave room for video and ICE.
@@ -458,28 +463,14 @@ def negotiate(
     on_hold = conn.is_null or media.direction in ("sendonly", "inactive")
     direction = _MIRROR.get(offered, "sendrecv")
 
-    addrtype = "IP6" if ":" in local_ip else "IP4"
-    lines = [
-        "v=0",
-        f"o=- {session_id} {version} IN {addrtype} {local_ip}",
-        "s=-",
-        f"c=IN {addrtype} {local_ip}",
-        "t=0 0",
-    ]
+    media_lines: list[str] = []
     for i, m in enumerate(offer.media):
         if i != index:
             # RFC 3264 6: rejected, same position, port 0, the offer's formats.
-            lines.append(f"m={m.kind} 0 {m.proto} {' '.join(m.raw_formats)}")
+            media_lines.append(f"m={m.kind} 0 {m.proto} {' '.join(m.raw_formats)}")
             continue
-        fmts = f"{pt} {te_pt}" if te_pt is not None else str(pt)
-        lines.append(f"m=audio {local_port} RTP/AVP {fmts}")
-        lines.append(f"a=rtpmap:{pt} {m.rtpmap[pt].serialize()}")
-        if te_pt is not None:
-            lines.append(f"a=rtpmap:{te_pt} telephone-event/8000")
-            lines.append(f"a=fmtp:{te_pt} 0-15")
-        lines.append(f"a=ptime:{ptime}")
-        lines.append(f"a={direction}")
-    sdp = ("\r\n".join(lines) + "\r\n").encode("utf-8")
+        media_lines += _audio_lines(local_port, [(pt, m.rtpmap[pt])], te_pt, ptime, direction)
+    sdp = _description("-", session_id, version, local_ip, "-", media_lines)
     return Answer(
         codec=codec,
         payload_type=pt,
@@ -491,3 +482,103 @@ def negotiate(
         ptime=ptime,
         remote_ptime=media.ptime,
     )
+
+
+def _description(username: str, session_id: int, version: int, address: str, name: str,
+                 media_lines: Sequence[str]) -> bytes:
+    """A whole session description (RFC 4566 5): session lines, then ``media_lines``."""
+    addrtype = "IP6" if ":" in address else "IP4"
+    lines = [
+        "v=0",
+        f"o={username} {session_id} {version} IN {addrtype} {address}",
+        f"s={name}",
+        f"c=IN {addrtype} {address}",
+        "t=0 0",
+        *media_lines,
+    ]
+    return ("\r\n".join(lines) + "\r\n").encode("utf-8")
+
+
+def _audio_lines(port: int, codecs: Sequence[tuple[int, RtpMap]], te_pt: int | None,
+                 ptime: int, direction: str) -> list[str]:
+    """One audio m-line and its attributes: codecs in order, RFC 4733 events 0-15 (2.4.1)."""
+    fmts = " ".join(str(pt) for pt, _ in codecs) + (f" {te_pt}" if te_pt is not None else "")
+    lines = [f"m=audio {port} RTP/AVP {fmts}"]
+    lines += [f"a=rtpmap:{pt} {rtpmap.serialize()}" for pt, rtpmap in codecs]
+    if te_pt is not None:
+        lines.append(f"a=rtpmap:{te_pt} telephone-event/8000")
+        lines.append(f"a=fmtp:{te_pt} 0-15")
+    lines.append(f"a=ptime:{ptime}")
+    lines.append(f"a={direction}")
+    return lines
+
+
+#: The static payload type of each codec :func:`offer` can offer (RFC 3551 table 4).
+_OFFERABLE = {rtpmap.name: pt for pt, rtpmap in STATIC_PAYLOAD_TYPES.items()
+              if pt in (0, 8)}
+
+
+def offer(
+    local_ip: str,
+    local_port: int,
+    *,
+    session_id: int,
+    version: int = 1,
+    codecs: Sequence[str] = ("PCMU",),
+    telephone_event_pt: int | None = 101,
+    ptime: int = 20,
+    direction: str = "sendrecv",
+    username: str = "-",
+    name: str = "-",
+) -> bytes:
+    """An offer of one audio stream (RFC 3264 section 5, RFC 4566): ``codecs`` (G.711, on their
+    static payload types, in preference order), telephone-event/8000 0-15 on
+    ``telephone_event_pt`` (RFC 4733; None: no events), ``ptime`` and ``direction``.
+    ``version`` goes up by one with each new offer of the session (RFC 3264 section 8)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction {direction!r} is not one of {', '.join(DIRECTIONS)}")
+    chosen = []
+    for codec in codecs:
+        pt = _OFFERABLE.get(codec.upper())
+        if pt is None:
+            raise ValueError(f"cannot offer {codec!r}: only {', '.join(_OFFERABLE)}")
+        chosen.append((pt, STATIC_PAYLOAD_TYPES[pt]))
+    media = _audio_lines(local_port, chosen, telephone_event_pt, ptime, direction)
+    return _description(username, session_id, version, local_ip, name, media)
+
+
+@dataclass(frozen=True)
+class MediaAnswer:
+    """The first audio stream of an SDP answer, as far as a G.711 phone needs it."""
+
+    address: str
+    port: int
+    payload_types: tuple[int, ...]
+    audio_pt: int | None
+    """The payload type carrying PCMU/8000, or None."""
+    event_pt: int | None
+    """The payload type of telephone-event/8000, or None when not accepted."""
+    direction: str = "sendrecv"
+    ptime: int | None = None
+
+
+def read_answer(body: bytes, codec: str = "PCMU") -> MediaAnswer:
+    """Read the audio stream of an SDP answer to our offer (RFC 3264 section 7).
+
+    ``audio_pt`` is the answer's payload type for ``codec`` at 8 kHz (None when it has none).
+    Raises :class:`SdpError` when the body is not SDP, has no audio stream, rejected it
+    (port 0, RFC 3264 section 6) or gives it no connection address.
+    """
+    session = parse_sdp(body)
+    media = next((m for m in session.media if m.kind == "audio"), None)
+    if media is None:
+        raise SdpError(488, "no m=audio stream in the answer")
+    if media.port == 0:
+        raise SdpError(488, "the audio stream is rejected (port 0)")
+    if media.connection is None:
+        raise SdpError(400, "no c= connection address for the audio stream")
+    audio_pt = next((pt for pt in media.formats if pt in media.rtpmap
+                     and media.rtpmap[pt].name.upper() == codec.upper()
+                     and media.rtpmap[pt].clock_rate == 8000), None)
+    return MediaAnswer(media.connection.address, media.port, tuple(media.formats), audio_pt,
+                       _telephone_event(media, 8000), media.direction, media.ptime)

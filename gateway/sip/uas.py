@@ -47,6 +47,7 @@ from gateway.sip.message import (
     SipRequest,
     SipResponse,
     build_request,
+    dialog_route,
     new_branch,
     new_tag,
     parse_message,
@@ -232,19 +233,7 @@ class Dialog:
 
 def _route(dialog: Dialog) -> tuple[str, list[str]]:
     """Request-URI and Route values of a request in ``dialog`` (RFC 3261 12.2.1.1)."""
-    routes = dialog.route_set
-    if not routes:
-        return dialog.remote_target, []
-    try:
-        first = parse_name_addr(routes[0])
-    except SipParseError:
-        return dialog.remote_target, list(routes)
-    uri_params = {p.split("=", 1)[0].strip().lower() for p in first.uri.split(";")[1:]}
-    if "lr" in uri_params:
-        # Loose routing (what every current proxy does): the target stays in the Request-URI.
-        return dialog.remote_target, list(routes)
-    # A strict router wants itself as the Request-URI and the target as the last Route.
-    return first.uri, [*routes[1:], f"<{dialog.remote_target}>"]
+    return dialog_route(dialog.remote_target, dialog.route_set)
 
 
 #: Why a new call would be refused now, or None: welcome (``draining``/``not_ready`` -> 503,

@@ -70,7 +70,7 @@ __all__ = [
     "unsupported",
 ]
 
-#: The say-as types, in the order the README lists them.
+#: The say-as types, in the order docs/authors/say-as.md lists them.
 KINDS = ("currency", "digits", "telephone", "date", "time", "ordinal", "number", "characters")
 
 #: How a numeric date is written: 03/04/2026 is 4 March in ``dmy``, 3 April in ``mdy``.

@@ -11,7 +11,7 @@ then the talker's one-token decode (the next frame's first codebook), over
 - per-row sampling (:mod:`gateway.tts.batch_sampling`): each row its own temperature, top-k,
   top-p, repetition penalty over its own history, EOS suppressed for its own first frames, and
   its own seeded ``torch.Generator``, so a seeded turn gives the same codes whatever it shares
-  steps with (up to the float effects documented in the README's engine section).
+  steps with (up to the float effects documented in docs/architecture/engine.md).
 
 Rows ``[0, n)`` of the cache are the live turns (a leaving turn's row is refilled by moving the
 last row down), and a step runs over the smallest batch bucket >= n; rows in it that do not

@@ -9,7 +9,7 @@ detail); ``cuda`` refuses to start with the same reason. The reasons an operator
 - the driver is older than this torch build's CUDA needs. PyPI's torch 2.14 wheels are CUDA 13
   builds: NVIDIA's minor-version compatibility runs a CUDA 13.x build on driver 580 or newer,
   12.x on 525 or newer (docs.nvidia.com/deploy/cuda-compatibility). Hosts with an older driver
-  need an image built for CUDA 12 (README "Docker image": ``TORCH_INDEX_URL``).
+  need an image built for CUDA 12 (docs/operators/deploy.md: ``TORCH_INDEX_URL``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def cuda_unavailable_reason() -> str | None:
     if "too old" in detail:
         return (f"the NVIDIA driver is too old for {build} (CUDA {torch.version.cuda}, needs "
                 f"{needed_driver(torch.version.cuda)}): {detail} Build the image for the host's "
-                "driver with TORCH_INDEX_URL (README \"Docker image\").")
+                "driver with TORCH_INDEX_URL (docs/operators/deploy.md).")
     return (f"no usable CUDA device for {build} (CUDA {torch.version.cuda}, needs "
             f"{needed_driver(torch.version.cuda)}): {detail}")
 

@@ -4,7 +4,7 @@ Without it, a hub model id on a machine that cannot reach the Hugging Face hub c
 huggingface_hub retrying each file of the checkpoint with back-off (55 lines of warnings, each
 printed twice) before the loader's clear error. :func:`require_model_source` answers in at most
 :data:`HUB_PROBE_TIMEOUT_S` with the same message every command prints (``serve``, ``say``,
-``prompts render``, ``voices add``, ``demo``).
+``script render``, ``voices add``, ``demo``).
 
 Kept apart from :mod:`gateway.tts.qwen` on purpose: it needs none of the model libraries, so a
 command can fail before importing torch.

@@ -138,7 +138,7 @@ class SpeechService:
         return sum(core.waiting for core in self.cores)
 
     @property
-    def healthy_slots(self) -> int:
+    def healthy_engines(self) -> int:
         """Engines in rotation: not retired, and not stuck in a step the watchdog gave up on."""
         return self._healthy
 
@@ -377,11 +377,11 @@ class SpeechService:
 
     def _count_healthy(self, delta: int) -> None:
         # Under self._lock, where a core enters or leaves rotation. The gauge is set first:
-        # whoever reads the new count (``healthy_slots``, without the lock) finds /metrics
+        # whoever reads the new count (``healthy_engines``, without the lock) finds /metrics
         # saying it already.
         healthy = self._healthy + delta
         if self.metrics is not None:
-            self.metrics.tts_slots_healthy.set(healthy)
+            self.metrics.tts_engines_healthy.set(healthy)
         self._healthy = healthy
         self._changed.notify_all()
 
@@ -390,4 +390,4 @@ class SpeechService:
             return
         self.metrics.tts_busy_slots.set(len(self._running))
         self.metrics.tts_queue_depth.set(self.queued)
-        self.metrics.tts_slots_healthy.set(self._healthy)
+        self.metrics.tts_engines_healthy.set(self._healthy)

@@ -4,8 +4,8 @@ Reference: https://www.twilio.com/docs/voice/media-streams/websocket-messages
 
 :class:`MediaStreamProtocol` is fed the text of each WebSocket message and returns one typed
 event; it builds the text of outbound ``media``, ``mark`` and ``clear`` messages from typed
-objects. It never awaits and never touches a socket or a clock: the WebSocket session in
-:mod:`gateway.twilio.session` only pumps.
+objects. It never awaits and never touches a socket or a clock: the WebSocket stream in
+:mod:`gateway.twilio.stream` only pumps.
 
 Every rejected message raises a :class:`gateway.errors.CallProtocolError` subclass whose
 ``close_code`` the shell sends before closing *that* call's socket.

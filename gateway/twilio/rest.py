@@ -8,8 +8,8 @@ updates the live call itself, as pipecat and vocode do: ``POST
 /2010-04-01/Accounts/{AccountSid}/Calls/{CallSid}.json`` with ``Twiml=<Response>...``
 (Twilio's "Update a Call resource": the call stops what it is doing, ``<Connect><Stream>``
 included, and runs the new TwiML at once). The stream stays open until Twilio ends it, so no
-``after-stream`` request is ever in flight while the update is (the session's side of that is
-:class:`~gateway.twilio.session.TwilioTransport`).
+``after-stream`` request is ever in flight while the update is (the stream's side of that is
+:class:`~gateway.twilio.stream.TwilioTransport`).
 
 :class:`CallUpdater` makes that request with the ``twilio`` library's own client and its
 asynchronous HTTP client (aiohttp): nothing blocks the event loop. Every attempt has a timeout;

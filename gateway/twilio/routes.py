@@ -9,10 +9,10 @@
   the call does next: ``<Dial>`` for a transfer decided during the stream, the busy message
   for a stream refused here, else ``<Hangup/>``. On a fleet the request may reach a replica
   that did not run the stream: with live-call updates configured that replica answers "wait a
-  second and ask again" (``<Pause>`` + ``<Redirect>``, :data:`~gateway.twilio.session.
+  second and ask again" (``<Pause>`` + ``<Redirect>``, :data:`~gateway.twilio.stream.
   AFTER_STREAM_HOPS` times) rather than a ``<Hangup/>`` that would cut off a transfer being
   delivered by REST, or recorded on the replica that ran the stream.
-- ``WS /twilio/media``: the Media Stream itself (:class:`~gateway.twilio.session.TwilioSession`).
+- ``WS /twilio/media``: the Media Stream itself (:class:`~gateway.twilio.stream.TwilioStream`).
 
 Every entry validates X-Twilio-Signature; a bad or missing one gets 403 and nothing else.
 """
@@ -29,8 +29,8 @@ from gateway.call.events import TransferTo
 from gateway.call.lifecycle import CallLifecycle
 from gateway.metrics import Metrics
 from gateway.twilio.rest import CallUpdater
-from gateway.twilio.session import Outcomes, TwilioConfig, TwilioSession
 from gateway.twilio.signature import SignatureChecker
+from gateway.twilio.stream import Outcomes, TwilioConfig, TwilioStream
 from gateway.twilio.twiml import after_stream_retry, busy, outcome_twiml
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def build_router(
             await websocket.close(code=1013)
             return
         await websocket.accept()
-        await TwilioSession(websocket, lifecycle, config, outcomes, metrics, updater).run()
+        await TwilioStream(websocket, lifecycle, config, outcomes, metrics, updater).run()
 
     return router
 

@@ -29,14 +29,14 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.call import Call, HangUp, Hangup, TransferTo
+from gateway.call import Call, CallerHungUp, EndCall, TransferTo
 from gateway.clock import SystemClock
 from gateway.ivr import runner as runner_module
 from gateway.ivr.cache import PromptCache
 from gateway.ivr.prompts import audio_identity, resolve_voice
 from gateway.ivr.runner import MAX_WEBHOOK_BYTES, IvrRunner, RunnerContext
 from gateway.ivr.script import MAX_VALUE_CHARS, Script, ScriptError, parse_script
-from gateway.speech import Speaker, Voice
+from gateway.speech import Speaker, SpeechVoice
 from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.service import SpeechService
 from tests.support.transports import MemoryTransport
@@ -142,7 +142,7 @@ def _runner(script: Script, speech: SpeechService, engine: BatchedQwenEngine,
     transport.call = call
     context = RunnerContext(script=script, cache=PromptCache(None),
                             model_fingerprint=engine.fingerprint, voice_identity=voice.identity,
-                            speaker=Speaker(speech, Voice(prompt=voice.prompt)),
+                            speaker=Speaker(speech, SpeechVoice(prompt=voice.prompt)),
                             audio=audio_identity(engine, None), clock=clock,
                             http=httpx.AsyncClient())
     base = {"caller": "+15550001111", "called": "+15550002222", "call_id": call.call_id}
@@ -249,7 +249,7 @@ async def test_a_node_cycle_without_input_ends_after_max_steps(
     await runner.call.close()
     print(f"\na <-> b cycle: {len(runner.path)} steps in {1000 * (time.monotonic() - t0):.0f} ms")
     assert len(runner.path) == runner_module.MAX_STEPS
-    assert transport.outcome == HangUp()
+    assert transport.outcome == EndCall()
 
 
 async def _first_utterance(runner: IvrRunner) -> str:
@@ -264,7 +264,7 @@ async def _first_utterance(runner: IvrRunner) -> str:
         assert sending in done, runner.path
         return runner.call.utterances[0].text
     finally:
-        runner.call.deliver(Hangup(at=runner.clock.now()))
+        runner.call.deliver(CallerHungUp(at=runner.clock.now()))
         await asyncio.wait_for(task, 30)
         await runner.call.close()
 

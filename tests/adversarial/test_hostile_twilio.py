@@ -223,9 +223,9 @@ class _ClosedUnderUs:
 
 
 async def test_writes_to_a_socket_closed_under_the_call_are_dropped_not_raised() -> None:
-    from gateway.call import HangUp
+    from gateway.call import EndCall
     from gateway.twilio.protocol import MediaStreamProtocol
-    from gateway.twilio.session import TwilioTransport
+    from gateway.twilio.stream import TwilioTransport
 
     protocol = MediaStreamProtocol()
     for name in ("connected", "start"):
@@ -236,7 +236,7 @@ async def test_writes_to_a_socket_closed_under_the_call_are_dropped_not_raised()
     # (an exception here kills the utterance task, and nobody retrieves it).
     await transport.send_frames([b"\xff" * 160])
     await transport.send_mark("u1")
-    await transport.end(HangUp())
+    await transport.end(EndCall())
     assert transport.messages_sent == 0
 
 

@@ -352,7 +352,7 @@ def check_baked_model(df: Dockerfile) -> list[str]:
 def _render(df: Dockerfile) -> tuple[Stage, Instruction] | None:
     for stage in df.stages:
         for run in stage.of("RUN"):
-            if "PROMPT_SCRIPTS" in run.value and re.search(r"gateway\s+prompts\s+render",
+            if "PROMPT_SCRIPTS" in run.value and re.search(r"gateway\s+script\s+render",
                                                             run.value):
                 return stage, run
     return None
@@ -363,7 +363,7 @@ def check_prerendered_prompts(df: Dockerfile, repo: Path = REPO) -> list[str]:
     env = df.env(df.final)
     found = _render(df)
     if found is None:
-        return ["no RUN renders $PROMPT_SCRIPTS with `gateway prompts render`"]
+        return ["no RUN renders $PROMPT_SCRIPTS with `gateway script render`"]
     stage, run = found
     problems = []
     words = shlex.split(run.expand().replace(";", " ; "))
@@ -680,7 +680,7 @@ VARIANTS = [
       'PROMPT_SCRIPTS="prompts/nope.yaml"', "not in the repository"),
     V("prerendered_prompts", "other_runtime_script", "ARG SCRIPT=prompts/demo.yaml",
       "ARG SCRIPT=prompts/other.yaml", "not among PROMPT_SCRIPTS"),
-    V("prerendered_prompts", "no_render", "gateway prompts render", "gateway prompts validate",
+    V("prerendered_prompts", "no_render", "gateway script render", "gateway script validate",
       "no RUN renders"),
     V("prerendered_prompts", "cache_root_owned", "COPY --from=prompts --chown=10001:10001",
       "COPY --from=prompts", "not owned by the runtime user"),

@@ -1,7 +1,8 @@
-"""Every ``./run.sh`` command in the README exists with the options it is shown with, the cheap
-ones run, and the load simulator's examples print what the README shows under them (their
-shape: tests/support/readme_samples.py), on the tiny model, shortened where a flag allows. The quick
-start's ``./run.sh call`` sample is checked by tests/e2e/test_softphone.py's end-to-end call."""
+"""Every ``./run.sh`` command in the README and the documentation pages (docs/) exists with the
+options it is shown with, the cheap ones run, and the load simulator's examples print what the
+sizing page shows under them (their shape: tests/support/readme_samples.py), on the tiny model,
+shortened where a flag allows. The quick start's ``./run.sh call`` sample is checked by
+tests/e2e/test_softphone.py's end-to-end call."""
 
 from __future__ import annotations
 
@@ -25,13 +26,13 @@ COMMANDS = documented_commands()
 
 
 def _id(command: Documented) -> str:
-    return f"README:{command.line}:{' '.join(command.argv[:3])}"
+    return f"{command.source}:{command.line}:{' '.join(command.argv[:3])}"
 
 
-def test_the_readme_documents_the_commands_this_test_knows() -> None:
+def test_the_docs_document_the_commands_this_test_knows() -> None:
     names = {tuple(c.argv[:2]) for c in COMMANDS}
     for expected in (("demo",), ("call",), ("loadsim", "run"), ("loadsim", "capacity"),
-                     ("loadsim", "merge"), ("prompts", "validate"), ("say",)):
+                     ("loadsim", "merge"), ("script", "validate"), ("say",)):
         assert any(name[:len(expected)] == expected for name in names), expected
     samples = [c for c in COMMANDS if c.sample is not None]
     assert {tuple(c.argv[:2]) for c in samples} >= {("call",), ("loadsim", "run"),
@@ -43,8 +44,21 @@ def test_the_readme_documents_the_commands_this_test_knows() -> None:
 RUN_SH_VERBS = ("test", "setup", "--help", "help")
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c.argv[0] not in RUN_SH_VERBS],
-                         ids=_id)
+#: The bot node's page documents issue 34's commands (its example bot and the simulator's agent
+#: scenario); on a branch without that work (no examples/bot.yaml) they are expected to fail, and
+#: the mark disappears by itself once it is merged.
+_BOT_NODE_MERGED = (ROOT / "examples" / "bot.yaml").exists()
+
+
+def _expected(command: Documented) -> Any:
+    if command.source == "docs/authors/bots.md" and not _BOT_NODE_MERGED:
+        return pytest.param(command, marks=pytest.mark.xfail(
+            reason="the bot node (issue 34) is not on this branch", strict=False))
+    return command
+
+
+@pytest.mark.parametrize("command", [_expected(c) for c in COMMANDS
+                                     if c.argv[0] not in RUN_SH_VERBS], ids=_id)
 def test_every_documented_command_exists_with_its_options(
     command: Documented, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -52,14 +66,14 @@ def test_every_documented_command_exists_with_its_options(
     # an option or a command that does not exist is a usage error (exit 2).
     code = main([*command.argv, "--help"])
     err = capsys.readouterr().err
-    assert code == 0, f"README line {command.line}: ./run.sh {' '.join(command.argv)}\n{err}"
+    assert code == 0, f"{command.source}:{command.line}: ./run.sh {' '.join(command.argv)}\n{err}"
 
 
-# --- the cheap ones, run as written (a tiny model where the README leaves the default) ----------
+# --- the cheap ones, run as written (a tiny model where the docs leave the default) ------------
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c.argv[:2] in (
-    ["prompts", "validate"], ["prompts", "graph"], ["prompts", "test"], ["say"],
+    ["script", "validate"], ["script", "graph"], ["script", "test"], ["say"],
     ["model", "tiny"], ["voices", "list"]) or c.argv[:1] in (["say"], ["model"])], ids=_id)
 def test_cheap_documented_commands_run_as_written(
     command: Documented, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -69,7 +83,7 @@ def test_cheap_documented_commands_run_as_written(
     monkeypatch.chdir(tmp_path)  # outputs (flow.svg, p.wav, ./tiny-model) land here
     if argv[0] == "say":
         argv += ["--model", str(tiny_model_dir), "--device", "cpu"]
-    if argv[:2] == ["prompts", "graph"] and not shutil.which("dot"):
+    if argv[:2] == ["script", "graph"] and not shutil.which("dot"):
         pytest.skip("graphviz is not installed")
     code = main(argv)
     captured = capsys.readouterr()
@@ -80,7 +94,7 @@ def test_cheap_documented_commands_run_as_written(
 
 
 def _documented(*prefix: str, having: str | None = None) -> Documented:
-    """The one README command that starts with ``prefix`` (and has the option ``having``)."""
+    """The one documented command that starts with ``prefix`` (and has the option ``having``)."""
     (found,) = [c for c in COMMANDS if c.argv[:len(prefix)] == list(prefix)
                 and (having is None or having in c.argv)]
     return found
@@ -99,7 +113,7 @@ def _shortened(argv: list[str], **flags: str) -> list[str]:
 
 
 def _on(url: str, argv: list[str], live: LiveServer) -> list[str]:
-    """The README's http://127.0.0.1:808x targets pointed at the test's gateways."""
+    """The documented http://127.0.0.1:808x targets pointed at the test's gateways."""
     return [a.replace("http://127.0.0.1:8080", live.base_url) for a in argv]
 
 

@@ -1,7 +1,7 @@
 """The demo IVR end to end: a real Twilio WebSocket, a real HTTP backend, the tiny model.
 
 The company's backend is a small FastAPI app served by uvicorn on its own port (not a mock);
-the gateway runs prompts/demo.yaml from a prompt cache pre-rendered by ``gateway prompts
+the gateway runs prompts/demo.yaml from a prompt cache pre-rendered by ``gateway script
 render``. Gateway, backend and caller share one virtual-time event loop
 (:class:`virtual_time.VirtualTimeLoop`) over real loopback sockets, so the demo's 5 s / 8 s /
 4 s gather timeouts, Twilio pacing and the caller's real-time audio cost no real time. The

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.call import HangUp, TransferTo
+from gateway.call import EndCall, TransferTo
 from gateway.sip.endpoint import RTP_PLAYOUT
+from tests.support.clocks import LoopClock
 from tests.support.servers import LiveServer, VirtualServer
 from tests.support.sip_peers import Baresip, run_sipp
 from tests.support.waiting import until
@@ -152,7 +153,7 @@ def test_sipp_call_hung_up_by_the_gateway(
     thread.start()
     call = _wait(lambda: next(iter(live.gateway.registry.values()), None))
     _wait(lambda: call.utterances and call.utterances[0].first_frame_at)
-    asyncio.run_coroutine_threadsafe(call.end(HangUp()), endpoint.loop).result(5)
+    asyncio.run_coroutine_threadsafe(call.end(EndCall()), endpoint.loop).result(5)
     thread.join(30)
     assert outcome["result"].ok, outcome["result"].stdout[-3000:]
     _idle(live)
@@ -181,7 +182,7 @@ def test_over_capacity_and_draining(sip_gateway: tuple[LiveServer, Any], tmp_pat
         busy = run_sipp("busy.xml", _target(live), workdir=tmp_path)
         assert busy.ok, busy.stdout[-3000:]
         assert endpoint.core.active_calls == 1, "the budget's call must outlast the refusal"
-        asyncio.run_coroutine_threadsafe(held.end(HangUp()), endpoint.loop).result(5)
+        asyncio.run_coroutine_threadsafe(held.end(EndCall()), endpoint.loop).result(5)
         thread.join(30)
         assert holder["result"].ok, holder["result"].stdout[-3000:]
     finally:
@@ -315,7 +316,7 @@ class LoopSipCaller:
 
         self.live = live
         loop = asyncio.get_running_loop()
-        self.phone = Phone(caller_id="tester", clock=loop.time)
+        self.phone = Phone(caller_id="tester", clock=LoopClock(loop))
 
     async def start(self) -> None:
         await self.phone.call(_target(self.live), user="ivr")
@@ -386,7 +387,7 @@ async def _scenario(live: LiveServer | VirtualServer,
                 await caller.press(arg)
             else:
                 await caller.ended()
-                expected = TransferTo if arg == "transfer" else HangUp
+                expected = TransferTo if arg == "transfer" else EndCall
                 assert isinstance(call.outcome, expected), call.outcome
     finally:
         await caller.close()

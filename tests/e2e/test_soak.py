@@ -288,7 +288,7 @@ async def test_a_thousand_calls_leak_nothing(gateway: tuple[LiveServer, list[Any
 
     assert not caller.errors, caller.errors[:5]
     assert not errors.records, errors.records[:5]
-    assert speech.stats.failed == 0 and speech.healthy_slots == len(speech.engines)
+    assert speech.stats.failed == 0 and speech.healthy_engines == len(speech.engines)
     rendered = metrics.render().decode()
     assert "gateway_calls_protocol_errors_total{" not in rendered
     assert "gateway_speech_failures_total{" not in rendered

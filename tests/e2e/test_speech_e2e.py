@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from gateway.call import Call, HangUp, TransferTo
+from gateway.call import Call, EndCall, TransferTo
 from tests.support.builds import built_once
 from tests.support.servers import VirtualServer
 from tests.support.speech_callers import SipCaller, TwilioCaller, ivr_trace, recognizer_swapped
@@ -168,7 +168,7 @@ async def _scenario(live: VirtualServer, said: dict[str, bytes], name: str,
                 await caller.press(arg)
             elif step == "ended":
                 await caller.ended()
-                expected = TransferTo if arg == "transfer" else HangUp
+                expected = TransferTo if arg == "transfer" else EndCall
                 assert isinstance(call.outcome, expected), call.outcome
             else:
                 def reached(step: str = step, arg: str = arg) -> bool:

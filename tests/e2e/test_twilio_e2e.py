@@ -296,7 +296,7 @@ def test_an_engine_failure_fails_the_turn_and_the_caller_hears_an_apology(
 
 
 async def _apology(live: VirtualServer, greeting: str) -> None:
-    from gateway.demo import APOLOGY
+    from gateway.greeter import APOLOGY
 
     async with FakeTwilioCall(live.ws_url, AUTH_TOKEN, call_sid="CA" + "9" * 32,
                               stream_sid="MZ" + "9" * 32) as call:

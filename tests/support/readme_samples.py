@@ -1,4 +1,5 @@
-"""The README's commands and the sample output printed under them, for tests that run them.
+"""The documented commands (README.md and the pages of docs/) and the sample output printed
+under them, for tests that run them.
 
 A sample is compared by *shape*, not by value: every token that holds a digit (a figure, a
 time, a port, an id), ``none``, ``—`` and verdicts (``pass``, ``FAIL``, ``withheld``) become
@@ -14,11 +15,18 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from tests.support.paths import REPO
 
 ROOT = REPO
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def documented_files() -> list[Path]:
+    """README.md and every Markdown page of the documentation site."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _RULE = re.compile(r"^[─━═\-]{10,}$")
@@ -26,8 +34,9 @@ _RULE = re.compile(r"^[─━═\-]{10,}$")
 
 @dataclass(frozen=True)
 class Documented:
-    """One ``./run.sh`` command of a README bash block, and the text block after it."""
+    """One ``./run.sh`` command of a bash block, and the text block after it."""
 
+    source: str  # the file, relative to the repository root
     line: int
     env: dict[str, str]
     argv: list[str]
@@ -42,11 +51,14 @@ def _blocks(text: str) -> list[tuple[int, str, str]]:
     return blocks
 
 
-def documented_commands(text: str | None = None) -> list[Documented]:
-    """Every ``./run.sh`` command in the README's bash blocks (continuation lines joined,
-    comments dropped), with the ``text`` block that follows its bash block, if one does before
-    the next bash block."""
-    text = README.read_text() if text is None else text
+def documented_commands(text: str | None = None, source: str = "README.md") -> list[Documented]:
+    """Every ``./run.sh`` command in the bash blocks of README.md and the documentation pages
+    (or of ``text`` alone), continuation lines joined, comments dropped, with the ``text`` block
+    that follows its bash block, if one does before the next bash block."""
+    if text is None:
+        return [command for path in documented_files()
+                for command in documented_commands(path.read_text(encoding="utf-8"),
+                                                   str(path.relative_to(ROOT)))]
     blocks = _blocks(text)
     found = []
     for index, (line, language, body) in enumerate(blocks):
@@ -67,7 +79,7 @@ def documented_commands(text: str | None = None) -> list[Documented]:
                 key, _, value = words.pop(0).partition("=")
                 env[key] = value
             if words[:1] == ["./run.sh"] and len(words) > 1:
-                found.append(Documented(line + 1 + offset, env, words[1:], sample))
+                found.append(Documented(source, line + 1 + offset, env, words[1:], sample))
     return found
 
 
@@ -138,7 +150,7 @@ def mismatch(sample: str, output: str) -> str | None:
         while position < len(got) and got[position] != want:
             position += 1
         if position == len(got):
-            return (f"the README's sample line shaped {' '.join(want)!r} is not in the output "
+            return (f"the documented sample line shaped {' '.join(want)!r} is not in the output "
                     "(in order). Output:\n" + output)
         position += 1
     return None

@@ -1,6 +1,6 @@
 """Real SIP peers for the tests: SIPp scenarios and a baresip user agent (Debian packages).
 
-Configurations follow ../shared/notes/sip-peers.md: baresip headless on loopback with a WAV
+Configurations: baresip headless on loopback with a WAV
 file as its microphone, a null speaker, the sndfile module recording what it hears, and its
 TCP control socket (netstring-framed JSON) to dial, send DTMF and hang up.
 """

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.clocks import LoopClock
 from tests.support.servers import AUTH_TOKEN, VirtualServer
 from tests.support.waiting import until
 
@@ -48,7 +49,8 @@ class SipCaller:
         from gateway.loadsim.sip_caller import SipCaller as Phone
 
         self.live = live
-        self.phone = Phone(caller_id=f"speaker{n}", clock=asyncio.get_running_loop().time)
+        self.phone = Phone(caller_id=f"speaker{n}",
+                           clock=LoopClock(asyncio.get_running_loop()))
 
     async def start(self) -> None:
         endpoint = self.live.gateway.sip

@@ -1,11 +1,12 @@
-"""The shape of gateway/ (DESIGN.md, "Rules of the road"), checked from its source.
+"""The shape of gateway/ (docs/architecture/index.md, "Rules of the road"), checked from its source.
 
 - The import graph has no cycle, counting every import: module level, inside functions, and
   under ``if TYPE_CHECKING:`` (a type-only cycle is still two modules that cannot be understood
   apart).
 - No transport imports the app: the composition root reaches down, nothing reaches back up.
 - Both transports start and finish calls through the one lifecycle module.
-- The pure protocol modules (SIP, SDP, RTP, digest, the Twilio messages, G.711, the decimator)
+- The pure protocol modules (SIP, SDP, RTP, digest, the SIP server and client cores, the Twilio
+  messages, G.711, the decimator)
   and their tests run without torch: a subprocess in which ``import torch`` fails collects
   every one of those test modules and runs their example-based tests (the property tests add
   no import and run in the default run).
@@ -28,14 +29,14 @@ PACKAGE = ROOT / "gateway"
 
 #: Tests of the protocol cores that must run on an install without torch.
 PROTOCOL_TESTS = [
-    "tests/unit/sip/test_message.py", "tests/unit/sip/test_sdp.py",
-    "tests/unit/sip/test_rtp.py", "tests/unit/sip/test_uas.py", "tests/unit/sip/test_digest.py",
+    "tests/unit/sip/test_message.py", "tests/unit/sip/test_sdp.py", "tests/unit/sip/test_rtp.py",
+    "tests/unit/sip/test_uas.py", "tests/unit/sip/test_uac.py", "tests/unit/sip/test_digest.py",
     "tests/unit/twilio/test_protocol.py", "tests/unit/audio/test_g711.py",
     "tests/unit/audio/test_resample.py",
 ]
 PROTOCOL_MODULES = [
     "gateway.sip.message", "gateway.sip.sdp", "gateway.sip.rtp", "gateway.sip.uas",
-    "gateway.sip.digest", "gateway.twilio.protocol", "gateway.audio.g711",
+    "gateway.sip.uac", "gateway.sip.digest", "gateway.twilio.protocol", "gateway.audio.g711",
     "gateway.audio.resample", "gateway.errors",
 ]
 
@@ -113,10 +114,10 @@ def test_no_module_but_the_process_shell_imports_the_app() -> None:
 
 def test_both_transports_go_through_the_one_lifecycle() -> None:
     graph = parsed_import_graph()
-    for adapter in ("gateway.twilio.session", "gateway.sip.endpoint"):
+    for adapter in ("gateway.twilio.stream", "gateway.sip.endpoint"):
         assert "gateway.call.lifecycle" in graph[adapter], adapter
     # and neither does the lifecycle's work itself: no transport builds a Call or paces frames.
-    for path in (PACKAGE / "twilio" / "session.py", PACKAGE / "sip" / "endpoint.py"):
+    for path in (PACKAGE / "twilio" / "stream.py", PACKAGE / "sip" / "endpoint.py"):
         source = path.read_text()
         assert "Call(" not in source and "Pacer" not in source, path
         assert "SpeechStartDetector" not in source and "ulaw_encode" not in source, path

@@ -185,7 +185,7 @@ def _free_tcp_port() -> int:
 OFFLINE_COMMANDS = {
     "say": ["say", "Hi.", "-o", "{tmp}/x.wav", "--device", "cpu"],
     "serve": ["serve", "--insecure", "--port", "0"],
-    "prompts render": ["prompts", "render", "prompts/demo.yaml", "--cache-dir", "{tmp}/cache"],
+    "script render": ["script", "render", "prompts/demo.yaml", "--cache-dir", "{tmp}/cache"],
     "voices add": ["voices", "add", "anna", "{tmp}/ref.wav", "--text", "Hello.", "--dir",
                    "{tmp}/voices"],
 }
@@ -243,10 +243,65 @@ def test_command_summaries_are_whole_sentences_not_the_docstrings_line_breaks(
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if "│ demo " in line)
     assert "account backend stub: call it with `gateway call" in line
-    assert main(["prompts", "--help"]) == 0
+    assert main(["script", "--help"]) == 0
     out = capsys.readouterr().out
     assert "schema and logic errors as file:line:column: message" in out
 
+
+
+# --- `gateway prompts`: the script commands' old name, a deprecated alias for one release -------
+
+SCRIPT_VERBS = ("validate", "graph", "test", "render")
+
+
+def _deprecation(verb: str) -> str:
+    return (f"warning: `gateway prompts {verb}` is deprecated and will be removed in the next "
+            f"release; use `gateway script {verb}`")
+
+
+@pytest.mark.parametrize("verb", SCRIPT_VERBS)
+def test_deprecated_prompts_verbs_are_the_script_commands_with_a_one_line_deprecation_notice(
+    verb: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["script", verb, "--help"]) == 0
+    new = capsys.readouterr()
+    assert main(["prompts", verb, "--help"]) == 0  # renames_35: keep
+    old = capsys.readouterr()
+    assert new.err == ""
+    assert old.err.splitlines() == [_deprecation(verb)]
+    # The same command, the same options: only the name in the usage line differs.
+    assert " ".join(old.out.replace("gateway prompts", "gateway script").split()) == " ".join(
+        new.out.split())
+
+
+@pytest.mark.parametrize("script", ["demo.yaml", "broken.yaml"])
+def test_deprecated_prompts_validate_still_runs_and_answers_as_script_validate(
+    script: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = REPO / "prompts" / script
+    if script == "broken.yaml":
+        path = tmp_path / script
+        path.write_text("start: nowhere\nnodes:\n  a:\n    say: Hi.\n")
+    code = main(["script", "validate", str(path)])
+    new = capsys.readouterr()
+    assert main(["prompts", "validate", str(path)]) == code  # renames_35: keep
+    old = capsys.readouterr()
+    assert code == (0 if script == "demo.yaml" else 1)
+    assert old.out == new.out
+    assert "ok (" in new.out if code == 0 else ": error: " in new.err
+    assert old.err.splitlines() == [_deprecation("validate"), *new.err.splitlines()]
+
+
+def test_help_lists_script_and_marks_prompts_deprecated(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any("│ script " in line and "IVR scripts" in line for line in lines)
+    assert any("│ prompts " in line and "Deprecated alias of `gateway script`" in line
+               for line in lines)
 
 @pytest.mark.parametrize(("argv", "usage"), [(["--help"], "Usage: gateway [OPTIONS] COMMAND"),
                                              (["help"], "Usage: gateway [OPTIONS] COMMAND"),

@@ -1,4 +1,4 @@
-"""Recognition off the event loop: the listening session, the worker pool and its failure modes.
+"""Recognition off the event loop: the speech listener, the worker pool and its failure modes.
 
 Every failure is a RecognizerError subclass, which the IVR turns into "fall back to keys with a
 logged reason"; the pool keeps working for the next turn.
@@ -16,7 +16,7 @@ import pytest
 
 from gateway.asr.base import MatchStatus, RecognitionResult
 from gateway.asr.grammar import SpeechGrammar
-from gateway.asr.pool import PRE_ROLL_S, RecognizerPool, SpeechSession
+from gateway.asr.pool import PRE_ROLL_S, RecognizerPool, SpeechListener
 from gateway.asr.sphinx import PocketSphinxRecognizer
 from gateway.asr.synth import RATE, SynthVoice, phone_line, synthesize
 from gateway.audio.vad import SpeechStartDetector
@@ -46,7 +46,7 @@ class _Captured:
 
 async def test_session_without_speech_start_is_no_speech_and_decodes_nothing() -> None:
     rec = _Captured()
-    s = SpeechSession(rec, MENU)
+    s = SpeechListener(rec, MENU)
     for _ in range(200):
         assert s.feed(b"\xff" * FRAME)
     assert s.audio_s == pytest.approx(PRE_ROLL_S)
@@ -64,7 +64,7 @@ async def test_session_without_speech_start_is_no_speech_and_decodes_nothing() -
 
 async def test_session_follows_pauses_and_recognises_the_audio_so_far() -> None:
     rec = _Captured()
-    s = SpeechSession(rec, MENU)
+    s = SpeechListener(rec, MENU)
     assert (await s.recognize()).status is MatchStatus.NO_SPEECH and rec.calls == []
     s.speech_paused(0.5)  # a pause before any speech is not the caller's
     assert s.paused_at is None and s.pauses == 0
@@ -88,7 +88,7 @@ async def test_session_follows_pauses_and_recognises_the_audio_so_far() -> None:
 
 async def test_session_keeps_the_pre_roll_then_speech_up_to_the_cap() -> None:
     rec = _Captured()
-    s = SpeechSession(rec, MENU, max_speech_s=1.0)
+    s = SpeechListener(rec, MENU, max_speech_s=1.0)
     for _ in range(100):
         s.feed(b"\x01" * FRAME)
     s.speech_started()
@@ -104,7 +104,7 @@ async def test_session_keeps_the_pre_roll_then_speech_up_to_the_cap() -> None:
 
 async def test_session_without_vad_gating_keeps_everything_and_takes_l16() -> None:
     rec = _Captured()
-    s = SpeechSession(rec, MENU, encoding="l16", vad_gated=False, max_speech_s=0.5)
+    s = SpeechListener(rec, MENU, encoding="l16", vad_gated=False, max_speech_s=0.5)
     long = np.full(5000, 100, dtype=np.int16)
     s.feed(long[:1000].tobytes())
     s.feed(long.tobytes())
@@ -115,9 +115,9 @@ async def test_session_without_vad_gating_keeps_everything_and_takes_l16() -> No
 
 def test_session_rejects_bad_settings() -> None:
     with pytest.raises(ValueError, match="encoding"):
-        SpeechSession(_Captured(), MENU, encoding="opus")  # type: ignore[arg-type]
+        SpeechListener(_Captured(), MENU, encoding="opus")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_speech_s"):
-        SpeechSession(_Captured(), MENU, max_speech_s=0)
+        SpeechListener(_Captured(), MENU, max_speech_s=0)
     with pytest.raises(ValueError):
         RecognizerPool(asr_fakes.Echo, workers=0)
     with pytest.raises(ValueError):
@@ -133,21 +133,21 @@ async def test_pocketsphinx_in_a_worker_recognises_a_vad_gated_turn_frame_by_fra
         speech = synthesize("operator please", SynthVoice("flite", "slt"))
         mulaw = phone_line(speech, lead_s=2.0, tail_s=0.8)
         vad = SpeechStartDetector()
-        session = pool.session(MENU)
+        listener = pool.listener(MENU)
         ended_at = None
         for i in range(0, len(mulaw), FRAME):
             frame = mulaw[i : i + FRAME]
-            session.feed(frame)
+            listener.feed(frame)
             if vad.push(frame):
-                session.speech_started()
-            elif session.speech and not vad.speaking:
+                listener.speech_started()
+            elif listener.speech and not vad.speaking:
                 ended_at = i
                 break
         assert ended_at is not None, "the VAD saw the end of speech"
         # 2 s of leading silence, of which only the pre-roll is recognised.
-        assert session.dropped_s > 1.0
-        held_s = session.audio_s
-        r = await session.finish()
+        assert listener.dropped_s > 1.0
+        held_s = listener.audio_s
+        r = await listener.finish()
         assert (r.status, r.branch, r.phrase) == (MatchStatus.MATCH, "agent", "operator"), r
         assert r.cpu_s > 0 and r.audio_s == pytest.approx(held_s)
         with pytest.raises(GrammarError) as exc:

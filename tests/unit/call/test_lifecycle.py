@@ -22,11 +22,11 @@ import pytest
 from gateway.call import (
     Admission,
     Call,
+    CallerHungUp,
     CallLifecycle,
     CallOutcome,
     CallRegistry,
-    HangUp,
-    Hangup,
+    EndCall,
     PromptFrames,
     SpeechStarted,
     TransferTo,
@@ -128,7 +128,7 @@ class FakeTransport(MemoryTransport):
 class Dialogs:
     def __init__(self) -> None:
         self.chosen: list[str] = []
-        self.hangups: list[Hangup] = []
+        self.hangups: list[CallerHungUp] = []
         #: Calls whose dialog has a bug.
         self.crash: set[str] = set()
         #: Dialled number -> the line the factory names for it.
@@ -147,7 +147,7 @@ class Dialogs:
             raise RuntimeError("a dialog bug")
         while True:
             event = await call.events.get()
-            if isinstance(event, Hangup):
+            if isinstance(event, CallerHungUp):
                 self.hangups.append(event)
                 return
 
@@ -283,7 +283,7 @@ async def test_a_dialog_bug_hangs_up_its_own_call_only(rig) -> None:  # type: ig
     _broken, transport = _start(lifecycle, clock, "bug")
     for _ in range(10):
         await clock.advance(0)
-    assert transport.outcome == HangUp()
+    assert transport.outcome == EndCall()
     assert "call-bug" not in lifecycle.registry and "call-ok" in lifecycle.registry
     assert not healthy.ended
 
@@ -300,7 +300,7 @@ async def test_the_drain_lets_calls_finish_within_the_grace_then_hangs_up(rig) -
     assert not drain.done() and not call.ended and transport.outcome is None
     await clock.advance(50)  # the grace is over: the call still up is hung up
     await asyncio.wait_for(drain, 5)
-    assert transport.outcome == HangUp()
+    assert transport.outcome == EndCall()
 
 
 async def test_the_drain_ends_as_soon_as_the_last_call_does(rig) -> None:  # type: ignore[no-untyped-def]
@@ -511,9 +511,9 @@ async def test_unread_events_are_bounded_and_a_hang_up_always_gets_through() -> 
     assert call.events.qsize() == MAX_EVENTS and call.events_dropped == 500
     assert metrics.registry.get_sample_value(
         "gateway_call_events_dropped_total", {"transport": "sip"}) == 500
-    call.deliver(Hangup("bye", at=clock.now()))
+    call.deliver(CallerHungUp("bye", at=clock.now()))
     events = _drain(call)
-    assert len(events) == MAX_EVENTS and isinstance(events[-1], Hangup)
+    assert len(events) == MAX_EVENTS and isinstance(events[-1], CallerHungUp)
     assert call.events_dropped == 501
 
 

@@ -23,7 +23,7 @@ import pytest
 from gateway.audio.g711 import ulaw_decode, ulaw_encode
 from gateway.call import Playout
 from gateway.sip.endpoint import RTP_PLAYOUT
-from gateway.twilio.session import TwilioConfig
+from gateway.twilio.stream import TwilioConfig
 from tests.support.clocks import VirtualClock
 from tests.support.transports import MemoryTransport, RecordingOwner
 

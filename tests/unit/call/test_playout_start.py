@@ -36,7 +36,7 @@ from gateway.config import Settings
 from gateway.loadsim.twilio_caller import Heard
 from gateway.metrics import Metrics
 from gateway.sip.endpoint import RTP_PLAYOUT
-from gateway.twilio.session import TwilioConfig
+from gateway.twilio.stream import TwilioConfig
 from tests.support.clocks import VirtualClock
 from tests.support.transports import MemoryTransport, RecordingOwner
 

@@ -1,4 +1,4 @@
-"""`gateway prompts test`: scripted callers through the real IVR runner, no model.
+"""`gateway script test`: scripted callers through the real IVR runner, no model.
 
 The demo's own cases (prompts/demo.cases.yaml) run here, so CI runs them with the suite.
 """
@@ -20,7 +20,7 @@ DEMO_CASES = ROOT / "prompts" / "demo.cases.yaml"
 
 
 def test_the_demo_cases_pass(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["prompts", "test", str(DEMO), str(DEMO_CASES)]) == 0
+    assert main(["script", "test", str(DEMO), str(DEMO_CASES)]) == 0
     out = capsys.readouterr().out
     assert "13 passed, 0 failed" in out
     assert "PASS en español, the same lookup with translated prompts" in out
@@ -30,7 +30,7 @@ def test_the_demo_cases_pass(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_outage_lines_cases_pass(capsys: pytest.CaptureFixture[str]) -> None:
     """The second line of prompts/lines.yaml has its own cases."""
     prompts = ROOT / "prompts"
-    assert main(["prompts", "test", str(prompts / "outages.yaml"),
+    assert main(["script", "test", str(prompts / "outages.yaml"),
                  str(prompts / "outages.cases.yaml")]) == 0
     out = capsys.readouterr().out
     assert "2 passed, 0 failed" in out
@@ -60,7 +60,7 @@ def test_a_failing_case_says_where_the_path_diverged_and_why(
     steps: [{press: "2"}, {press: "5"}]
     outcome: {transfer: "+15555550199"}
 """)
-    assert main(["prompts", "test", str(DEMO), str(cases)]) == 1
+    assert main(["script", "test", str(DEMO), str(cases)]) == 1
     out = capsys.readouterr().out
     assert f"{cases}:2:5: FAIL expects the balance, but the account is overdue" in out
     assert ("path diverged at node 6 (after 'route': case 1: status == \"overdue\" and "

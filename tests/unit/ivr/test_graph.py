@@ -1,4 +1,4 @@
-"""`gateway prompts graph`: the demo's flow drawn by Graphviz (the real `dot`), read back."""
+"""`gateway script graph`: the demo's flow drawn by Graphviz (the real `dot`), read back."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_the_demo_as_svg_names_every_node_what_it_says_and_what_takes_each_edge(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "flow.svg"
-    assert main(["prompts", "graph", str(DEMO), "-o", str(out)]) == 0
+    assert main(["script", "graph", str(DEMO), "-o", str(out)]) == 0
     assert "wrote" in capsys.readouterr().out
     nodes, edges = _svg(out)
     script = load_script(DEMO)
@@ -66,10 +66,10 @@ def test_the_demo_as_svg_names_every_node_what_it_says_and_what_takes_each_edge(
 
 
 def test_png_and_dot_outputs(tmp_path: Path) -> None:
-    assert main(["prompts", "graph", str(DEMO), "-o", str(tmp_path / "flow.png")]) == 0
+    assert main(["script", "graph", str(DEMO), "-o", str(tmp_path / "flow.png")]) == 0
     data = (tmp_path / "flow.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    assert main(["prompts", "graph", str(DEMO), "-o", str(tmp_path / "flow.dot")]) == 0
+    assert main(["script", "graph", str(DEMO), "-o", str(tmp_path / "flow.dot")]) == 0
     source = (tmp_path / "flow.dot").read_text()
     assert source.startswith("// Acme Energy customer service") and "digraph flow" in source
 
@@ -77,10 +77,10 @@ def test_png_and_dot_outputs(tmp_path: Path) -> None:
 def test_an_unknown_format_or_an_invalid_script_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["prompts", "graph", str(DEMO), "-o", str(tmp_path / "flow.jpg")]) == 1
+    assert main(["script", "graph", str(DEMO), "-o", str(tmp_path / "flow.jpg")]) == 1
     assert "must end in .svg, .png, .pdf, .dot, .gv" in capsys.readouterr().err
     broken = ROOT / "tests" / "golden" / "scripts" / "logic_errors.yaml"
-    assert main(["prompts", "graph", str(broken), "-o", str(tmp_path / "x.svg")]) == 1
+    assert main(["script", "graph", str(broken), "-o", str(tmp_path / "x.svg")]) == 1
     assert "speaker 'robot' is not a built-in voice" in capsys.readouterr().err
     assert not (tmp_path / "x.svg").exists()
 
@@ -106,7 +106,7 @@ def test_svg_text_keeps_the_space_after_a_bold_label_and_any_failure_is_a_node(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "flow.svg"
-    assert main(["prompts", "graph", str(DEMO), "-o", str(out)]) == 0
+    assert main(["script", "graph", str(DEMO), "-o", str(out)]) == 0
     root = ET.parse(out).getroot()
     texts = list(root.iter(f"{SVG}text"))
     leading = [t for t in texts if (t.text or "").startswith(" ")]

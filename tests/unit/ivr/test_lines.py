@@ -185,7 +185,7 @@ def test_schema_errors_of_a_lines_file_are_located(tmp_path: Path) -> None:
 
 def test_a_scripts_own_errors_are_reported_in_the_script(tmp_path: Path) -> None:
     """The lines file names a broken script: its errors come located in that script, exactly
-    as `prompts validate SCRIPT` reports them, alongside the lines file's own."""
+    as `script validate SCRIPT` reports them, alongside the lines file's own."""
     lines = _write(tmp_path, "lines.yaml",
                    f"default: main\nlines:\n  main:\n    script: {GOLDEN / 'logic_errors.yaml'}\n"
                    "    numbers: [+15550002222, +15550002222]\n")
@@ -241,10 +241,10 @@ def test_a_lines_file_supersedes_the_script_setting(caplog: pytest.LogCaptureFix
         f"({PROMPTS / 'demo.yaml'})" in caplog.text
 
 
-def test_prompts_validate_checks_a_lines_file_and_every_script(
+def test_script_validate_checks_a_lines_file_and_every_script(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["prompts", "validate", str(PROMPTS / "lines.yaml")]) == 0
+    assert main(["script", "validate", str(PROMPTS / "lines.yaml")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == [
         f"{PROMPTS / 'lines.yaml'}: ok (2 lines, 5 numbers, default 'customer-service')",
@@ -253,7 +253,7 @@ def test_prompts_validate_checks_a_lines_file_and_every_script(
     ]
     bad = _write(tmp_path, "lines.yaml", "default: main\nlines:\n  main:\n"
                                          f"    script: {GOLDEN / 'duplicates.yaml'}\n")
-    assert main(["prompts", "validate", str(bad)]) == 1
+    assert main(["script", "validate", str(bad)]) == 1
     err = capsys.readouterr().err
     assert f"{GOLDEN / 'duplicates.yaml'}:6:3: error: 'hi' is defined twice" in err
     assert "1 of 1 file(s) have errors" in err

@@ -1,5 +1,5 @@
 """The end of a spoken turn (gateway.ivr.listening): VoiceXML's complete and incomplete
-timeouts over a real SpeechSession, with recognitions the test answers when it chooses."""
+timeouts over a real SpeechListener, with recognitions the test answers when it chooses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from gateway.asr.base import MatchStatus, RecognitionResult
 from gateway.asr.grammar import SpeechGrammar
-from gateway.asr.pool import SpeechSession
+from gateway.asr.pool import SpeechListener
 from gateway.errors import RecognizerError, RecognizerUnavailable
 from gateway.ivr.listening import SpeechTurn
 
@@ -49,10 +49,10 @@ async def _poll(turn: SpeechTurn, now: float):  # type: ignore[no-untyped-def]
     return decision
 
 
-def _turn(rec: Recognizer, *, max_speech_s: float = 10.0) -> tuple[SpeechTurn, SpeechSession]:
-    session = SpeechSession(rec, MENU)
-    return SpeechTurn(session, complete_s=0.2, incomplete_s=1.0,
-                      max_speech_s=max_speech_s), session
+def _turn(rec: Recognizer, *, max_speech_s: float = 10.0) -> tuple[SpeechTurn, SpeechListener]:
+    listener = SpeechListener(rec, MENU)
+    return SpeechTurn(listener, complete_s=0.2, incomplete_s=1.0,
+                      max_speech_s=max_speech_s), listener
 
 
 async def test_a_complete_phrase_ends_the_turn_after_the_complete_timeout() -> None:

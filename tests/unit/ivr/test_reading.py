@@ -15,19 +15,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.call.events import Hangup
+from gateway.call.events import CallerHungUp
 from gateway.call.session import Call, Utterance
 from gateway.cli import main
 from gateway.clock import VirtualClock
-from gateway.demo import greeter
+from gateway.greeter import greeter
 from gateway.ivr.cache import PromptCache
 from gateway.ivr.cases import InstantTransport, SilentSpeaker, load_cases, run_case
 from gateway.ivr.lines import load_lines
 from gateway.ivr.prompts import ResolvedVoice, render_missing, renders
 from gateway.ivr.runner import IvrRunner, RunnerContext
 from gateway.ivr.script import Script, ScriptError, parse_script
-from gateway.speech import Speaker
-from gateway.speech import Voice as SpeechVoice
+from gateway.speech import Speaker, SpeechVoice
 from gateway.text import LexiconEntry, Reader, Reading
 from gateway.tts.engine import SpeechRequest
 from tests.support.paths import REPO
@@ -309,19 +308,19 @@ async def test_cases_check_the_words_a_caller_hears(script: Script, tmp_path: Pa
     assert moved.trace.heard[0].words == "Thank you for calling Ack-mee."
 
 
-def test_prompts_test_takes_a_line_of_a_lines_file(tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_script_test_takes_a_line_of_a_lines_file(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     path = _lines(tmp_path, "    lexicon: [{text: Acme, say: Ack-mee}]\n")
     cases = tmp_path / "acme.cases.yaml"
     cases.write_text("cases:\n  - name: the line's words\n"
                      "    hears: [Thank you for calling Ack-mee.]\n    path: [hello, lookup, bye]"
                      "\n")
-    assert main(["prompts", "test", str(path), str(cases), "--line", "main"]) == 1
+    assert main(["script", "test", str(path), str(cases), "--line", "main"]) == 1
     out = capsys.readouterr().out
     # The words matched; only the (deliberately short) list of sentences did not.
     assert "the words of sentence 2: said \"Visit us" in out
     assert "sentence 1" not in out
-    assert main(["prompts", "test", str(path), str(cases), "--line", "nope"]) == 1
+    assert main(["script", "test", str(path), str(cases), "--line", "nope"]) == 1
     assert "has no line 'nope'" in capsys.readouterr().err
 
 
@@ -357,7 +356,7 @@ async def test_the_greeter_reads_its_free_text() -> None:
     call.dtmf("#")
     for _ in range(20):
         await asyncio.sleep(0)
-    call.deliver(Hangup(at=clock.now()))
+    call.deliver(CallerHungUp(at=clock.now()))
     await asyncio.wait_for(task, 5)
     await call.close()
     assert speaker.said == ["Call us on five five five, zero one zero, zero one nine nine.",

@@ -3,7 +3,7 @@
 One gateway (tiny model, virtual time, Twilio and SIP) serves a lines file in a temporary
 directory: the demo as the customer-service line (and the default), and a small outage line
 whose script the tests rewrite. The prompt cache starts as a copy of the demo's, with the outage
-line rendered by ``gateway prompts render LINES`` exactly as an operator would.
+line rendered by ``gateway script render LINES`` exactly as an operator would.
 
 Reloads are waited for on the reloader's attempt counter (with a real-time limit), never by
 sleeping: the gateway polls the files on its injected clock, which is the loop's virtual time.
@@ -26,9 +26,10 @@ from typing import Any
 
 import pytest
 
-from gateway.call import HangUp
+from gateway.call import EndCall
 from gateway.call.session import Call, Utterance
 from gateway.cli import main
+from tests.support.clocks import LoopClock
 from tests.support.gateway_process import GatewayProcess
 from tests.support.metrics import metric
 from tests.support.paths import REPO
@@ -105,7 +106,7 @@ def rig(tiny_model_dir: Path, demo_cache_dir: Path,
     (root / "lines.yaml").write_text(_lines())
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["prompts", "render", str(root / "lines.yaml"), "--model", str(tiny_model_dir),
+        code = main(["script", "render", str(root / "lines.yaml"), "--model", str(tiny_model_dir),
                      "--device", "cpu", "--cache-dir", str(cache)])
     assert code == 0, out.getvalue()
     with serve_virtual({"model": str(tiny_model_dir), "lines": str(root / "lines.yaml"),
@@ -174,7 +175,7 @@ class TwilioCall:
 # --- routing ----------------------------------------------------------------------------------
 
 
-def test_prompts_render_takes_the_lines_file_and_the_gateway_starts_with_every_prompt(
+def test_script_render_takes_the_lines_file_and_the_gateway_starts_with_every_prompt(
     rig: Rig,
 ) -> None:
     """The CLI rendered the outage line's sentences (the demo's were cached already) under the
@@ -221,7 +222,7 @@ async def test_each_number_reaches_its_lines_script_over_twilio_and_sip(
     for user, line, text in (("2000", "outages", "Outage line, version one."),
                              ("ivr", "customer-service", "Thank you for calling Acme Energy.")):
         before = set(live.gateway.registry.items())
-        phone = SipCaller(caller_id="tester", clock=asyncio.get_running_loop().time)
+        phone = SipCaller(caller_id="tester", clock=LoopClock(asyncio.get_running_loop()))
         try:
             await phone.call(endpoint.local_addr, user=user)
             server = await until(lambda b=before: next(
@@ -302,7 +303,7 @@ async def test_a_reload_with_calls_up_lets_each_call_finish_on_its_version(
             goodbye = await caller.heard("Version one status. Goodbye.")
             assert goodbye.cached
             await caller.ended()
-            assert isinstance(caller.server.outcome, HangUp)  # type: ignore[union-attr]
+            assert isinstance(caller.server.outcome, EndCall)  # type: ignore[union-attr]
             assert caller.fake.close_code == 1000
         await call.heard("Version two status. Goodbye.")
         await call.ended()

@@ -22,9 +22,9 @@ import pytest
 from gateway.audio.condition import Conditioning
 from gateway.call import (
     Call,
+    CallerHungUp,
     CallOutcome,
-    HangUp,
-    Hangup,
+    EndCall,
     PlaybackDone,
     PlayoutPolicy,
     SpeechStarted,
@@ -34,7 +34,7 @@ from gateway.ivr.cache import PromptCache
 from gateway.ivr.prompts import ResolvedVoice, audio_identity, render_missing, resolve_voice
 from gateway.ivr.runner import IvrRunner, RunnerContext
 from gateway.ivr.script import Script, load_script, parse_script
-from gateway.speech import Speaker, Voice
+from gateway.speech import Speaker, SpeechVoice
 from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.engine import Engine, SpeechRequest
 from gateway.tts.service import SpeechService
@@ -92,7 +92,7 @@ def demo(monkeypatch_module: pytest.MonkeyPatch) -> Script:
 
 @pytest.fixture(scope="module")
 def demo_cache(demo_cache_dir: Path) -> PromptCache:
-    """The demo's static prompts, pre-rendered once per run by ``gateway prompts render``."""
+    """The demo's static prompts, pre-rendered once per run by ``gateway script render``."""
     return PromptCache(demo_cache_dir)
 
 
@@ -119,7 +119,7 @@ class Harness:
         self.voice = voice if voice is not None else resolve_voice(script)
         self.clock = VirtualClock()
         self.transport = transport if transport is not None else MemoryTransport()
-        # The phone path of a gateway on default settings: what `gateway prompts render`
+        # The phone path of a gateway on default settings: what `gateway script render`
         # (the demo cache) conditions with, so the keys match and are true.
         self.conditioning = Conditioning()
         self.call = Call("CA" + "7" * 32, self.transport, self.clock, transport_name="twilio",
@@ -140,7 +140,7 @@ class Harness:
             cache=self.cache,
             model_fingerprint=engine.fingerprint,
             voice_identity=self.voice.identity,
-            speaker=Speaker(speech, Voice(prompt=self.voice.prompt)),
+            speaker=Speaker(speech, SpeechVoice(prompt=self.voice.prompt)),
             audio=audio_identity(engine, self.conditioning),
             clock=self.clock,
             http=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
@@ -242,7 +242,7 @@ async def test_menu_account_lookup_and_goodbye(
     await h.waiting_for_input()
     await h.clock.advance(6)
     await h.finished()
-    assert h.runner.path[-1] == "goodbye" and isinstance(h.transport.outcome, HangUp)
+    assert h.runner.path[-1] == "goodbye" and isinstance(h.transport.outcome, EndCall)
 
 
 async def test_no_input_retries_then_falls_back_to_the_agent(
@@ -378,7 +378,7 @@ async def test_webhook_values_are_read_as_text_never_as_templates(
     assert live == ["Thanks, {caller}. Your balance on account one two three four five six is "
                     "{0.__class__}, due on tomorrow."]
     assert "nested" not in h.runner.variables
-    h.call.deliver(Hangup(at=h.clock.now()))
+    h.call.deliver(CallerHungUp(at=h.clock.now()))
     await h.finished()
 
 
@@ -388,7 +388,7 @@ async def test_hang_up_during_a_gather_stops_the_script(
     h = Harness(demo, speech, engine, cache=demo_cache)
     await h.start()
     await h.waiting_for_input()
-    h.call.deliver(Hangup(at=h.clock.now()))
+    h.call.deliver(CallerHungUp(at=h.clock.now()))
     await h.finished()
     assert h.transport.outcome is None and h.runner.path == ["welcome", "menu"]
 
@@ -429,7 +429,7 @@ class HangsUpAtTheMark(MemoryTransport):
 
         def played_then_gone() -> None:
             call.playback_done(name)
-            call.deliver(Hangup(at=call.clock.now()))
+            call.deliver(CallerHungUp(at=call.clock.now()))
 
         asyncio.get_running_loop().call_soon(played_then_gone)
 
@@ -612,7 +612,7 @@ async def test_a_stale_mark_does_not_end_a_gather_early(
     await h.press("3456#")
     await h.waiting_for_input()
     assert h.runner.variables["account_number"] == "123456"
-    h.call.deliver(Hangup(at=h.clock.now()))
+    h.call.deliver(CallerHungUp(at=h.clock.now()))
     await h.finished()
 
 
@@ -644,7 +644,7 @@ nodes:
         ({"status": "overdue", "balance": 250}, "collections", TransferTo("+15555550101")),
         ({"status": "overdue", "balance": "99.99"}, "agent", TransferTo("+15555550100")),
         ({"status": "overdue", "balance": "unknown"}, "agent", TransferTo("+15555550100")),
-        ({"status": "suspended"}, "closed", HangUp()),
+        ({"status": "suspended"}, "closed", EndCall()),
         ({}, "agent", TransferTo("+15555550100")),
     ],
 )
@@ -749,7 +749,7 @@ async def test_a_node_changes_the_calls_language_or_voice_and_the_cache_keys_fol
     original = Speaker.request
 
     def recording(self: Speaker, text: str, call_id: str, utterance_id: str,
-                  voice: Voice | None = None) -> SpeechRequest:
+                  voice: SpeechVoice | None = None) -> SpeechRequest:
         request = original(self, text, call_id, utterance_id, voice)
         requests.append(request)
         return request
@@ -896,7 +896,7 @@ async def test_a_caller_hanging_up_is_in_the_trace(
     h = Harness(demo, speech, engine, cache=demo_cache)
     await h.start()
     await h.waiting_for_input()
-    h.call.deliver(Hangup(at=h.clock.now()))
+    h.call.deliver(CallerHungUp(at=h.clock.now()))
     await h.finished()
     (trace,) = _trace_records(caplog)
     assert trace["outcome"] == "caller hung up" and trace["path"] == ["welcome", "menu"]

@@ -96,9 +96,9 @@ def test_templates_insert_values_as_plain_text() -> None:
 
 
 def test_cli_validate_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["prompts", "validate", str(ROOT / "prompts" / "demo.yaml")]) == 0
+    assert main(["script", "validate", str(ROOT / "prompts" / "demo.yaml")]) == 0
     assert "ok (12 nodes, 20 cached sentences)" in capsys.readouterr().out
-    assert main(["prompts", "validate", str(GOLDEN / "duplicates.yaml")]) == 1
+    assert main(["script", "validate", str(GOLDEN / "duplicates.yaml")]) == 1
     err = capsys.readouterr().err
     assert "duplicates.yaml:6:3: error: 'hi' is defined twice" in err
 
@@ -113,13 +113,13 @@ def test_server_refuses_to_start_with_an_invalid_script(capsys: pytest.CaptureFi
     assert "refusing to start" in err
 
 
-def test_prompts_render_is_resumable(
+def test_script_render_is_resumable(
     demo_cache_dir: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The session fixture rendered every static prompt once; a second run renders none."""
     code = main(
         [
-            "prompts",
+            "script",
             "render",
             str(ROOT / "prompts" / "demo.yaml"),
             "--model",

@@ -1,7 +1,7 @@
 """Speech gathers in the IVR runner, on a virtual clock with a recogniser the test scripts.
 
 No model, no audio: prompts play as 20 ms of silence (the script tester's speaker) and the
-caller's turn is driven the way the call drives it (the listening session told of speech start
+caller's turn is driven the way the call drives it (the speech listener told of speech start
 and pause, a SpeechPaused event). The recogniser answers what each test says, or fails. The
 real recogniser over real sockets is in tests/e2e/test_speech_e2e.py; the flows on the demo script
 in prompts/demo.cases.yaml.
@@ -18,7 +18,7 @@ import pytest
 
 from gateway.asr.base import Encoding, MatchStatus, RecognitionResult
 from gateway.asr.grammar import SpeechGrammar
-from gateway.asr.pool import SpeechSession
+from gateway.asr.pool import SpeechListener
 from gateway.call import Call, SpeechPaused, SpeechStarted
 from gateway.errors import RecognizerError
 from gateway.ivr.cache import PromptCache
@@ -79,10 +79,10 @@ class Recognizer:
         self.results: list[RecognitionResult | Exception] = []
         self.turns = 0
 
-    def session(self, grammar: SpeechGrammar, *, encoding: Encoding = "pcmu",
-                max_speech_s: float = 10.0) -> SpeechSession:
-        return SpeechSession(self._recognize, grammar, encoding=encoding,
-                             max_speech_s=max_speech_s)
+    def listener(self, grammar: SpeechGrammar, *, encoding: Encoding = "pcmu",
+                 max_speech_s: float = 10.0) -> SpeechListener:
+        return SpeechListener(self._recognize, grammar, encoding=encoding,
+                              max_speech_s=max_speech_s)
 
     async def _recognize(self, pcm: np.ndarray, grammar: SpeechGrammar) -> RecognitionResult:
         self.turns += 1
@@ -125,9 +125,9 @@ class Harness:
         self._waits = self.clock.waits
 
     @property
-    def session(self) -> SpeechSession:
+    def session(self) -> SpeechListener:
         listener = self.call.listener
-        assert isinstance(listener, SpeechSession), "nobody listens"
+        assert isinstance(listener, SpeechListener), "nobody listens"
         return listener
 
     async def say(self, seconds: float = 0.8) -> float:

@@ -327,7 +327,7 @@ def test_capacity_for_cached_and_live_speech_and_the_price_of_a_million_characte
     gateway: LiveServer, greeter: tuple[LiveServer, list[_SlowEngine]], tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from gateway.demo import digit_sentence
+    from gateway.greeter import digit_sentence
 
     live, _ = greeter
     samples = tmp_path / "capacity.json"

@@ -1,19 +1,22 @@
 """The load simulator's SIP caller (gateway.loadsim.sip_caller), built on gateway.sip.
 
 Against a real peer (baresip auto-answering on loopback, tests/support/sip_peers.py) for what a
-phone sees; against a scripted UDP peer for the exact RFC 3261 timers and RTP/RFC 4733 wire format;
-and sans-I/O for the receive analysis (jitter, loss, speech timing, the playout model) and the
-pacing measurement on a virtual clock.
-"""
+phone sees; against a scripted UDP peer on virtual time (real sockets in a
+:class:`~tests.support.virtual_time.VirtualTimeLoop`) for the exact RFC 3261 timers and RTP/RFC
+4733 wire format, and for the RTP pacing (the gateway's one Pacer on the phone's clock); sans-I/O
+for the receive analysis (jitter, loss, speech timing, the playout model). The SIP client core
+itself is tested message by message in tests/unit/sip/test_uac.py."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import struct
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -21,11 +24,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.audio.g711 import ulaw_encode
+from gateway.loadsim.rtp_out import DtmfKey, OutboundStream
 from gateway.loadsim.sip_caller import (
     FRAME_SAMPLES,
     CallFailed,
     CallTimeout,
-    FramePacer,
+    PacingStats,
     RtpReceiveLog,
     SipCaller,
     is_silent,
@@ -34,11 +38,12 @@ from gateway.loadsim.sip_caller import (
 from gateway.sip.message import SipParseError, SipResponse, parse_message
 from gateway.sip.rtp import RtpError, RtpPacket, seq_diff, ts_diff
 from gateway.sip.sdp import SdpError
-from tests.support.clocks import ManualClock
+from gateway.sip.uac import MediaPlan
+from tests.support.clocks import LoopClock
+from tests.support.servers import virtual_loop
 from tests.support.sip_peers import Baresip
 from tests.support.waiting import never, until
 
-T = TypeVar("T")
 RATE = 8000
 
 
@@ -82,15 +87,12 @@ async def test_call_to_baresip_measures_setup_speech_dtmf_and_hangup(tmp_path: P
             caller.play(ulaw_frames(tone(0.5, hz=440)))  # what baresip should hear from us
 
             answered = caller.answered_at
-            first = await until(lambda: caller.first_audio_after(answered),
-                                3, "first burst", every=0.01)
+            first = await until(lambda: caller.first_audio_after(answered), 3, "first burst")
             # baresip's file starts with 0.6 s of silence when the call is established.
             assert 0.4 < first - answered < 1.2
-            stopped = await until(lambda: caller.stream_stopped_after(first),
-                                  3, "burst end", every=0.01)
+            stopped = await until(lambda: caller.stream_stopped_after(first), 3, "burst end")
             assert 0.3 < stopped - first < 0.5  # a 0.4 s burst
-            second = await until(lambda: caller.first_audio_after(stopped),
-                                 3, "second burst", every=0.01)
+            second = await until(lambda: caller.first_audio_after(stopped), 3, "second burst")
             assert 0.5 < second - stopped < 0.7  # 0.6 s of silence between bursts
             burst = caller.playout(first - 0.001, stopped)
             assert burst.start == first
@@ -134,15 +136,15 @@ async def test_baresip_hangs_up_first(tmp_path: Path) -> None:
         async with SipCaller() as caller:
             await caller.call(("127.0.0.1", phone.sip_port), user="tester", timeout_s=5)
             await event(phone, "CALL_ESTABLISHED")
-            await until(lambda: caller.packets_sent >= 10, 3, "our media flowing", every=0.01)
+            await until(lambda: caller.rtp.packets, 3, "baresip's RTP")
             asked = time.monotonic()
             phone.hangup()
-            hung_up = await until(lambda: caller.remote_hangup_at, 3, "baresip's BYE", every=0.01)
+            hung_up = await until(lambda: caller.remote_hangup_at, 3, "baresip's BYE")
             assert 0 < hung_up - asked < 1
             await event(phone, "CALL_CLOSED")
             sent = caller.packets_sent
-            # Our media stopped with the BYE: not one more 20 ms packet over five packet times.
-            await never(lambda: caller.packets_sent != sent, 0.1, "RTP sent after the BYE")
+            await until(lambda: not caller.sending, 1, "our media to stop")
+            assert caller.packets_sent == sent  # our media stopped with the BYE
             assert await caller.hangup() is None  # nothing left to end
             assert caller.requests_received == {"BYE": 1}
             assert caller.errors == []
@@ -155,7 +157,7 @@ async def test_refer_is_accepted_and_reported_failed_options_answered(tmp_path: 
             await event(phone, "CALL_ESTABLISHED")
             assert caller.local_sip is not None
             phone.command("options", f"sip:loadsim@127.0.0.1:{caller.local_sip[1]}")
-            await until(lambda: caller.requests_received.get("OPTIONS"), 3, "OPTIONS", every=0.01)
+            await until(lambda: caller.requests_received.get("OPTIONS"), 3, "OPTIONS")
             phone.command("transfer", "sip:agent@127.0.0.1:5099")
             failed = await event(phone, "TRANSFER_FAILED")
             assert failed["param"] == "503 Service Unavailable"  # our NOTIFY's sipfrag
@@ -169,18 +171,27 @@ async def test_rejected_call_fails_clearly_and_is_acked(tmp_path: Path) -> None:
             with pytest.raises(CallFailed) as failed:
                 await caller.call(("127.0.0.1", phone.sip_port), user="nobody", timeout_s=5)
             assert failed.value.status == caller.status == 404
-            # baresip retransmits its 404 at +0.5 s (T1), then +1.5 s, unless ACKed: watched
-            # past the first retransmission, failing as soon as one comes.
+            # baresip retransmits its 404 at +0.5 s (T1), then +1.5 s, unless ACKed: what did not
+            # happen can only be seen over the window it would show in, here failing as soon as a
+            # retransmission comes (on virtual time, tests/unit/sip/test_uac.py checks the ACK).
             await never(lambda: caller.final_retransmits, 1.2,
                         f"the 404 retransmitted (not ACKed): {caller.errors}")
             assert caller.errors == []
 
 
-# --- against a scripted peer: exact timers and wire format ----------------------------------------
+# --- against a scripted peer on virtual time: exact timers and wire format ------------------------
+
+
+def on_virtual_time(main: Callable[[LoopClock], Coroutine[Any, Any, None]]) -> None:
+    """Run ``main(clock)`` in a virtual-time loop: real UDP sockets, the loop's clock jumping
+    to its next timer whenever everything waits, so a peer that waits a second to see that
+    nothing comes costs no real time, and every interval is exact."""
+    with virtual_loop() as loop:
+        loop.run_until_complete(main(LoopClock(loop)))
 
 
 class Udp(asyncio.DatagramProtocol):
-    """A test-side UDP socket on 127.0.0.1 with an arrival-timestamped receive queue."""
+    """A test-side UDP socket on 127.0.0.1 with an arrival-timestamped (loop time) queue."""
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[tuple[bytes, tuple[str, int], float]] = asyncio.Queue()
@@ -196,7 +207,7 @@ class Udp(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        self.queue.put_nowait((data, addr, time.monotonic()))
+        self.queue.put_nowait((data, addr, asyncio.get_running_loop().time()))
 
     @property
     def port(self) -> int:
@@ -255,9 +266,14 @@ def rtp_fields(data: bytes) -> tuple[bool, int, int, int, int, bytes]:
     return bool(b1 & 0x80), b1 & 0x7F, seq, ts, ssrc, data[12:]
 
 
-async def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
+def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
+    on_virtual_time(_timers_acks_rtp_and_dtmf_on_the_wire)
+
+
+async def _timers_acks_rtp_and_dtmf_on_the_wire(clock: LoopClock) -> None:
     uas, media = await Udp.open(), await Udp.open()
-    caller = SipCaller(t1=0.2)  # Timer A: +0.2 s, +0.6 s, +1.4 s... (T1 = 500 ms by default)
+    # Timer A: +0.2 s, +0.6 s, +1.4 s... (T1 = 500 ms by default)
+    caller = SipCaller(t1=0.2, clock=clock)
     try:
         call = asyncio.create_task(caller.call(("127.0.0.1", uas.port), user="ivr", timeout_s=8))
         invites = [await uas.recv() for _ in range(3)]  # unanswered
@@ -315,6 +331,7 @@ async def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
             seen.append(rtp_fields((await media.recv())[0]))
         seen.append(rtp_fields((await media.recv())[0]))  # the audio that resumes
         pressed = await dtmf
+        assert pressed < clock.now()
         first = next(i for i, p in enumerate(seen) if p[1] == 101)
         events, resumed = seen[first:-1], seen[-1]
         assert events[0][0] and not any(p[0] for p in events[1:])  # marker on the start only
@@ -335,7 +352,7 @@ async def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
             media.send(
                 RtpPacket(0, 100 + n, 1000 + 160 * n, 42, speech).serialize(), caller.local_rtp
             )
-        await until(lambda: caller.rtp.packets == 5 or None, 2, "our RTP at the caller", every=0.01)
+        await until(lambda: caller.rtp.packets == 5 or None, 2, "our RTP at the caller")
         assert caller.rtp.sources == [("127.0.0.1", media.port)] and caller.rtp.lost == 0
         assert caller.first_audio_after(0) == caller.rtp.arrivals[0]
 
@@ -359,9 +376,13 @@ async def test_timers_acks_rtp_and_dtmf_on_the_wire() -> None:
         media.close()
 
 
-async def test_setup_timeout_after_ringing_cancels_and_acks_the_487() -> None:
+def test_setup_timeout_after_ringing_cancels_and_acks_the_487() -> None:
+    on_virtual_time(_setup_timeout_after_ringing_cancels_and_acks_the_487)
+
+
+async def _setup_timeout_after_ringing_cancels_and_acks_the_487(clock: LoopClock) -> None:
     uas = await Udp.open()
-    caller = SipCaller()
+    caller = SipCaller(clock=clock)
     try:
         call = asyncio.create_task(caller.call(("127.0.0.1", uas.port), user="ivr", timeout_s=1))
         data, source, _ = await uas.recv()
@@ -493,31 +514,102 @@ def test_idle_fill_inside_an_utterance_is_a_dropout_the_caller_hears() -> None:
     assert stats.gaps == 1 and stats.gap_ms == pytest.approx(40 + 60, abs=0.01)
 
 
-# --- sans-I/O: pacing ---------------------------------------------------------------------------
+# --- pacing: the gateway's one Pacer on the phone's clock ----------------------------------------
 
 
-async def test_pacer_measures_lateness_against_fixed_deadlines() -> None:
-    clock = ManualClock(1000.0)
-    overshoot = iter([0.0, 0.0012, 0.0, 0.025, 0.0003, 0.0, 0.0])
-    slept: list[float] = []
+class LateClock(LoopClock):
+    """The loop's clock whose sleeps overshoot as a busy machine's do: by ``overshoots`` in
+    turn, then not at all."""
 
-    async def sleep(delay: float) -> None:
-        slept.append(delay)
-        clock.t += delay + next(overshoot)
+    def __init__(self, loop: asyncio.AbstractEventLoop, overshoots: list[float]) -> None:
+        super().__init__(loop)
+        self._overshoots = itertools.chain(overshoots, itertools.repeat(0.0))
 
-    pacer = FramePacer(clock=clock.now, sleep=sleep)
-    pacer.start()
-    woke = [await pacer.next() for _ in range(8)]
-    lateness = list(pacer.stats.lateness_ms)
-    # deadline n is 1000 + 0.02 n; the 25 ms stall makes deadline 5 already due (5 ms late).
-    assert lateness == pytest.approx([0, 0, 1.2, 0, 25, 5, 0.3, 0], abs=1e-6)
-    assert woke[-1] == pytest.approx(1000 + 0.02 * 7)  # no drift after the stall
-    assert len(slept) == 6
-    assert pacer.stats.histogram((1, 10)) == [("<1ms", 5), ("1-10ms", 2), (">=10ms", 1)]
-    assert pacer.stats.max_ms == pytest.approx(25)
-    assert pacer.stats.percentile(50) == 0  # nearest rank: the 4th of 8
-    assert pacer.stats.percentile(75) == pytest.approx(1.2)
-    assert pacer.stats.percentile(100) == pytest.approx(25)
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds) + next(self._overshoots))
+
+
+def test_rtp_is_paced_on_fixed_deadlines_and_a_stall_is_caught_up_not_reanchored() -> None:
+    """The phone's sends keep ``t0 + n * 20 ms`` on its injected clock: oversleeping shows as
+    lateness, a 125 ms stall (over 5 frames) sends the missed beats back-to-back, as a sound
+    card that kept producing samples does, instead of re-anchoring the stream later."""
+    with virtual_loop() as loop:
+        loop.run_until_complete(_paced(LateClock(loop, [0.0, 0.0012, 0.0, 0.125, 0.0003])))
+
+
+async def _paced(clock: LateClock) -> None:
+    uas, media = await Udp.open(), await Udp.open()
+    caller = SipCaller(clock=clock)
+    try:
+        call = asyncio.create_task(caller.call(("127.0.0.1", uas.port), user="ivr"))
+        data, source, _ = await uas.recv()
+        _, invite, _ = parse_sip(data)
+        uas.send(reply(invite, "200 OK", to_tag="p", body=answer_sdp(media.port),
+                       extra=(f"Contact: <sip:ivr@127.0.0.1:{uas.port}>",
+                              "Content-Type: application/sdp")), source)
+        await uas.recv()  # the ACK
+        await call
+        packets = [rtp_fields((await media.recv())[0]) for _ in range(13)]
+        # Deadline n is t0 + 0.02 n: 1.2 ms overslept at beat 2; beat 4 wakes 125 ms late, so
+        # beats 5..10 are already due (105 ... 5 ms late) and go at once; 0.3 ms at beat 11.
+        lateness = list(caller.pacing.lateness_ms)[:13]
+        assert lateness == pytest.approx([0, 0, 1.2, 0, 125, 105, 85, 65, 45, 25, 5, 0.3, 0],
+                                         abs=1e-4)  # float error on the loop's time
+        assert caller.pacer.reanchors == 0 and caller.pacing.max_ms == pytest.approx(125)
+        # Every beat of the sampling clock went out: consecutive sequence numbers, timestamps
+        # 160 samples apart, the stall not skipped.
+        assert all(seq_diff(b[2], a[2]) == 1 for a, b in itertools.pairwise(packets))
+        assert all(ts_diff(b[3], a[3]) == 160 for a, b in itertools.pairwise(packets))
+        assert caller.errors == []
+    finally:
+        await caller.aclose()
+        uas.close()
+        media.close()
+
+
+def test_outbound_stream_keeps_one_timeline_through_dtmf_and_hold() -> None:
+    """Sans-I/O: every beat advances the sampling clock; a key's packets carry its start
+    timestamp under PT 101; beats on hold send nothing and take no sequence number, and the
+    first packet after them opens a talkspurt."""
+    done: list[float | None] = []
+    stream = OutboundStream(rng=random.Random(7))
+    stream.apply(MediaPlan(("127.0.0.1", 4000), 0, 101, True))
+    ts0, seq0 = stream.rtp.timestamp, stream.rtp.sequence
+    sent = [stream.tick(0.02 * n) for n in range(2)]
+    stream.press(DtmfKey.press("9", 40, done.append))
+    sent += [stream.tick(0.02 * n) for n in range(2, 8)]
+    stream.apply(MediaPlan(("127.0.0.1", 4000), 0, 101, False))  # on hold
+    assert [stream.tick(0.02 * n) for n in range(8, 11)] == [None] * 3
+    stream.apply(MediaPlan(("127.0.0.1", 4000), 0, 101, True))
+    sent.append(stream.tick(0.22))
+    packets = [RtpPacket.parse(p) for p in sent if p is not None]
+    assert len(packets) == 9
+    # A 40 ms key: an update, then its final packet three times (RFC 4733 2.5.1.4).
+    assert [p.payload_type for p in packets] == [0, 0] + [101] * 4 + [0, 0, 0]
+    assert [p.marker for p in packets] == [True, False, True] + [False] * 5 + [True]
+    assert [p.sequence for p in packets] == [(seq0 + n) % 65536 for n in range(9)]
+    assert [ts_diff(p.timestamp, ts0) for p in packets] == \
+        [0, 160] + [320] * 4 + [6 * 160, 7 * 160, 11 * 160]
+    events = [struct.unpack("!BBH", p.payload) for p in packets[2:6]]
+    assert [(code, flags >> 7, duration) for code, flags, duration in events] == \
+        [(9, 0, 160), (9, 1, 320), (9, 1, 320), (9, 1, 320)]
+    assert DtmfKey.press("9", 40, done.append).packets == 4
+    assert done == [0.04]  # the key's first packet went out at beat 2
+    assert stream.rtp.packets_sent == 9
+
+
+def test_pacing_stats_summarise_lateness() -> None:
+    stats = PacingStats()
+    for lateness_s in (0, 0, 0.0012, 0, 0.025, 0.005, 0.0003, 0):
+        stats.record(lateness_s)
+    assert len(stats) == 8
+    assert stats.histogram((1, 10)) == [("<1ms", 5), ("1-10ms", 2), (">=10ms", 1)]
+    assert stats.max_ms == pytest.approx(25)
+    assert stats.mean_ms == pytest.approx((1.2 + 25 + 5 + 0.3) / 8)
+    assert stats.percentile(50) == 0  # nearest rank: the 4th of 8
+    assert stats.percentile(75) == pytest.approx(1.2)
+    assert stats.percentile(100) == pytest.approx(25)
+    assert PacingStats().percentile(50) == 0 and PacingStats().max_ms == 0
 
 
 # --- the gateway's parsers, as the phone uses them ------------------------------------------------

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 from gateway.audio.g711 import ulaw_encode
-from gateway.call import Admission, Call, CallLifecycle, CallRegistry, Hangup, Utterance
+from gateway.call import Admission, Call, CallerHungUp, CallLifecycle, CallRegistry, Utterance
 from gateway.call.inbound import BURST, MAX_RATE, InboundCap
-from gateway.loadsim.sip_caller import SipCaller
+from gateway.loadsim.sip_caller import CallFailed, SipCaller
 from gateway.metrics import Metrics
 from gateway.readiness import Readiness
+from gateway.sip.digest import DigestAuthenticator
 from gateway.sip.endpoint import MAX_DIGITS, RTP_PLAYOUT, SipEndpoint, SipMedia
 from gateway.sip.rtp import RtpPacket, seq_diff, ts_diff
 from gateway.sip.uas import UasConfig
@@ -56,7 +57,7 @@ class Playing:
 
     async def run(self, call: Call) -> None:
         self.utterances.append(call.play(self.pcm, label="prompt"))
-        while not isinstance(await call.events.get(), Hangup):
+        while not isinstance(await call.events.get(), CallerHungUp):
             pass
 
 
@@ -136,7 +137,7 @@ def test_on_hold_nothing_is_lost_nor_played_and_rtp_time_runs_on() -> None:
     async def scenario(endpoint: SipEndpoint, metrics: Metrics, dialog: Playing) -> None:
         assert endpoint.local_addr is not None
         loop = asyncio.get_running_loop()
-        async with SipCaller(clock=loop.time, t1=0.1) as phone:
+        async with SipCaller(clock=LoopClock(loop), t1=0.1) as phone:
             packets = _capture(phone)
             await phone.call(endpoint.local_addr, user="ivr")
             prompt = await until(lambda: dialog.utterances and dialog.utterances[0])
@@ -188,7 +189,7 @@ def test_a_whole_prompt_is_fed_to_the_wire_as_it_plays_not_queued() -> None:
     async def scenario(endpoint: SipEndpoint, metrics: Metrics, dialog: Playing) -> None:
         assert endpoint.local_addr is not None
         loop = asyncio.get_running_loop()
-        async with SipCaller(clock=loop.time, t1=0.1) as phone:
+        async with SipCaller(clock=LoopClock(loop), t1=0.1) as phone:
             packets = _capture(phone)
             await phone.call(endpoint.local_addr, user="ivr")
             prompt = await until(lambda: dialog.utterances and dialog.utterances[0])
@@ -221,7 +222,7 @@ def test_an_rtp_flood_is_dropped_unread_and_counted_and_a_normal_stream_never_is
     async def scenario(endpoint: SipEndpoint, metrics: Metrics, dialog: Playing) -> None:
         assert endpoint.local_addr is not None
         loop = asyncio.get_running_loop()
-        async with SipCaller(clock=loop.time, t1=0.1) as phone:
+        async with SipCaller(clock=LoopClock(loop), t1=0.1) as phone:
             await phone.call(endpoint.local_addr, user="ivr")
             media = await until(lambda: endpoint.media and _media(endpoint))
             await asyncio.sleep(5.0)
@@ -258,7 +259,7 @@ def test_a_call_keeps_its_latest_digits_and_counts_them_all() -> None:
     async def scenario(endpoint: SipEndpoint, metrics: Metrics, dialog: Playing) -> None:
         assert endpoint.local_addr is not None
         loop = asyncio.get_running_loop()
-        async with SipCaller(clock=loop.time, t1=0.1) as phone:
+        async with SipCaller(clock=LoopClock(loop), t1=0.1) as phone:
             await phone.call(endpoint.local_addr, user="ivr")
             media = await until(lambda: endpoint.media and _media(endpoint))
             for key in keys:
@@ -267,3 +268,29 @@ def test_a_call_keeps_its_latest_digits_and_counts_them_all() -> None:
             assert list(media.stats.digits) == list(keys[-MAX_DIGITS:])
 
     _run(scenario, _prompt(0.2), range(27460, 27480))
+
+
+def test_a_gateway_that_asks_for_credentials_gets_them_from_the_phone() -> None:
+    """Digest over real UDP (RFC 3261 22.2): the endpoint challenges the INVITE with 401, the
+    phone ACKs it and sends the INVITE again with credentials; without any, the 401 fails the
+    call, clearly."""
+
+    async def scenario(endpoint: SipEndpoint, metrics: Metrics, dialog: Playing) -> None:
+        assert endpoint.local_addr is not None
+        loop = asyncio.get_running_loop()
+        clock = LoopClock(loop)
+        endpoint.core.config.authenticator = DigestAuthenticator("ivr", {"trunk": "s3cret"},
+                                                                 b"k" * 32)
+        async with SipCaller(clock=clock, t1=0.1) as stranger:
+            with pytest.raises(CallFailed) as failed:
+                await stranger.call(endpoint.local_addr, user="ivr")
+            assert (failed.value.status, failed.value.reason) == (401, "Unauthorized")
+            assert not failed.value.refused and stranger.errors == []
+        async with SipCaller(clock=clock, t1=0.1, username="trunk", password="s3cret") as phone:
+            await phone.call(endpoint.local_addr, user="ivr")
+            assert phone.status == 200 and phone.errors == []
+            await until(lambda: dialog.utterances)
+            assert await phone.hangup() == 200
+        assert endpoint.core.stats["challenged"] == 2
+
+    _run(scenario, _prompt(1.0), range(27480, 27500))

@@ -468,6 +468,27 @@ def test_sender_marker_bit_on_talkspurts_and_skip() -> None:
     assert not send().marker
 
 
+def test_sender_packs_an_event_on_its_own_terms_in_the_same_stream() -> None:
+    """An RFC 4733 event rides in the stream: its payload type, its start timestamp and its own
+    marker, one sequence number per packet, while the sampling clock advances under it; the
+    pending talkspurt marker waits for the next packet without its own."""
+    sender = RtpSender(0, ssrc=9, initial_sequence=65535, initial_timestamp=TS_MOD - 160)
+    event = [RtpPacket.parse(sender.event_packet(b"\x05\x0a\x00\xa0", 101, TS_MOD - 160,
+                                                 n == 0))
+             for n in range(3)]
+    audio = RtpPacket.parse(sender.packet(b"\xff" * 160))
+    assert [p.payload_type for p in event] == [101] * 3 and audio.payload_type == 0
+    assert [p.marker for p in event] == [True, False, False]
+    assert {p.timestamp for p in event} == {TS_MOD - 160}
+    assert [p.sequence for p in (*event, audio)] == [65535, 0, 1, 2]
+    assert audio.marker  # the stream's first audio packet still opens its talkspurt
+    assert audio.timestamp == TS_MOD - 160 + 3 * 160 - TS_MOD  # the clock ran under the event
+    assert (sender.packets_sent, sender.octets_sent) == (4, 3 * 4 + 160)
+    with pytest.raises(RtpError, match="payload type 128"):
+        sender.event_packet(b"", 128, 0, True)
+    assert sender.sequence == 3  # the refused packet took no sequence number
+
+
 def test_sender_random_initial_values() -> None:
     a = RtpSender(0, rng=random.Random(42))
     b = RtpSender(0, rng=random.Random(42))

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gateway.call import Admission, CallLifecycle, CallRegistry, Hangup
+from gateway.call import Admission, CallerHungUp, CallLifecycle, CallRegistry
 from gateway.clock import SystemClock
 from gateway.loadsim.sip_caller import SipCaller
 from gateway.metrics import Metrics
@@ -33,7 +33,7 @@ class _Waiting:
         return self.run
 
     async def run(self, call: Any) -> None:
-        while not isinstance(await call.events.get(), Hangup):
+        while not isinstance(await call.events.get(), CallerHungUp):
             pass
 
 

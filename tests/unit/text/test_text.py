@@ -282,13 +282,15 @@ def test_readers_compare_by_what_they_do() -> None:
                     repr(Reader("English", lexicon=entries)))
 
 
-# --- the README's examples ----------------------------------------------------------------------
+# --- the documentation's examples (docs/authors/say-as.md) -------------------------------------
 
-README = (REPO / "README.md").read_text(encoding="utf-8")
+SAY_AS_PAGE = (REPO / "docs" / "authors" / "say-as.md").read_text(
+    encoding="utf-8")
 
 
-def test_the_readmes_table_of_types_reads_as_it_says() -> None:
-    section = README.split("**How values are read (say-as types).**", 1)[1].split("**Free", 1)[0]
+def test_the_docs_table_of_types_reads_as_it_says() -> None:
+    section = SAY_AS_PAGE.split("## How values are read (say-as types)", 1)[1].split(
+        "## Free text", 1)[0]
     rows = re.findall(r"^\| `(\w+)` \| `([^`]+)`[^|]* \| ([^|]+) \| ([^|]+) \|$", section,
                       flags=re.M)
     assert sorted(kind for kind, *_ in rows) == sorted(KINDS)
@@ -302,8 +304,8 @@ def test_the_readmes_table_of_types_reads_as_it_says() -> None:
             assert say_as(kind, value, lang, Conventions()) == first, (kind, name)
 
 
-def test_the_readmes_lexicon_example_compiles_and_reads_as_it_says() -> None:
-    section = README.split("**Pronunciation lexicon.**", 1)[1]
+def test_the_docs_lexicon_example_compiles_and_reads_as_it_says() -> None:
+    section = SAY_AS_PAGE.split("## Pronunciation lexicon", 1)[1]
     block = section.split("```yaml", 1)[1].split("```", 1)[0]
     entries = [LexiconEntry(**entry) for entry in yaml.safe_load(block)["lexicon"]]
     reader = Reader("English", lexicon=entries)

@@ -255,11 +255,30 @@ async def test_an_exception_inside_a_step_fails_the_heard_turns_and_the_rest_car
     assert _frames(await _drain(poison)) == 10 and _frames(await _drain(bystander)) == 10
     # The poisoned turn at least; the bystander too if it was admitted before the failure.
     assert engine.rebuilds == 1 and service.stats.restarted >= 1
-    assert service.stats.failed == 1 and service.healthy_slots == 1
+    assert service.stats.failed == 1 and service.healthy_engines == 1
     after = service.stream(_request("Later caller.", 6))
     assert _frames(await _drain(after)) == 6
     if graphs:  # warm-up and rebuild each captured all three buckets, serving none
         assert engine.captures == 2 * 3 and len(engine._graphs) == 3
+
+
+def _healthy_gauges(metrics: Metrics) -> tuple[float, float]:
+    """gateway_tts_engines_healthy and its deprecated alias, as /metrics shows them."""
+    text = metrics.render().decode()
+    values = []
+    for name in ("gateway_tts_engines_healthy", "gateway_tts_slots_healthy"):  # renames_35: keep
+        values.append(float(text.split(f"\n{name} ", 1)[1].split("\n", 1)[0]))
+    return values[0], values[1]
+
+
+def test_the_deprecated_slots_healthy_gauge_is_the_engines_gauge_under_its_old_name() -> None:
+    metrics = Metrics()
+    for count in (3, 0, 2):
+        metrics.tts_engines_healthy.set(count)
+        assert _healthy_gauges(metrics) == (count, count)
+    help_line = next(line for line in metrics.render().decode().splitlines()
+                     if line.startswith("# HELP gateway_tts_slots_healthy "))  # renames_35: keep
+    assert "Deprecated alias of gateway_tts_engines_healthy" in help_line
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
@@ -277,16 +296,19 @@ async def test_the_watchdog_fails_a_hung_step_and_the_loop_serves_again_once_it_
 
     engine.on_step = hang
     engine.warmup()  # the first step's one-off costs are not judged as a hang
-    service = service_factory(engine, step_timeout_s=1.0)
+    metrics = Metrics()
+    service = service_factory(engine, step_timeout_s=1.0, metrics=metrics)
+    assert _healthy_gauges(metrics) == (1.0, 1.0)
     stuck = service.stream(_request("Hang.", 10))
     with pytest.raises(EngineError, match="made no progress"):
         await _drain(stuck)
-    assert entered.is_set() and service.healthy_slots == 0 and service.stats.stuck_steps == 1
+    assert entered.is_set() and service.healthy_engines == 0 and service.stats.stuck_steps == 1
+    assert _healthy_gauges(metrics) == (0.0, 0.0)
     with pytest.raises(EngineError, match="no healthy TTS slot"):
         service.stream(_request("Nobody to serve me.", 3))
     release.set()
-    await _until(service, lambda: service.healthy_slots == 1)
-    assert engine.rebuilds == 1
+    await _until(service, lambda: service.healthy_engines == 1)
+    assert engine.rebuilds == 1 and _healthy_gauges(metrics) == (1.0, 1.0)
     assert _frames(await _drain(service.stream(_request("Back.", 4)))) == 4
 
 

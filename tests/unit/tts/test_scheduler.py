@@ -261,7 +261,7 @@ async def test_a_failed_batched_decode_fails_the_heard_turns_rebuilds_and_serves
     with pytest.raises(EngineError, match="injected"):
         await _drain(healthy)  # heard already, and its codec state went with the failed call
     assert service.stats.failed == 2 and faulty.rebuilds == 1
-    assert service.healthy_slots == 1
+    assert service.healthy_engines == 1
     # The rebuilt engine serves the next turns.
     again = [service.stream(SpeechRequest(text=f"Again {i}.", seed=1, max_frames=3))
              for i in range(2)]

@@ -19,6 +19,7 @@ from gateway.errors import ConfigError
 from gateway.tts.engine import SAMPLES_PER_FRAME, SpeechRequest
 from gateway.tts.service import SpeechService
 from gateway.tts.simulated import DeviceProfile, SimulatedEngine, load_profile
+from tests.support.clocks import ManualClock
 from tests.support.servers import AUTH_TOKEN, VirtualServer, on_virtual_time, serve_virtual
 from tests.support.twilio_client import FakeTwilioCall
 
@@ -97,8 +98,15 @@ def test_its_audio_is_speech_like_continuous_and_the_same_for_the_same_seed() ->
 
 
 async def test_the_engine_core_serves_turns_on_it() -> None:
-    engine = SimulatedEngine(FAST, max_rows=4)
-    service = SpeechService([engine])
+    # Time is the simulated device's own: it moves only while the device works, so the
+    # estimates and the lateness the streams measure do not depend on this machine's load.
+    clock = ManualClock(100.0)
+
+    def device(seconds: float) -> None:
+        clock.t += seconds
+
+    engine = SimulatedEngine(FAST, max_rows=4, sleep=device)
+    service = SpeechService([engine], clock=clock)
     service.start()
     try:
         streams = [service.stream(SpeechRequest(text=f"Caller {i}.", seed=i, max_frames=6,
@@ -109,7 +117,8 @@ async def test_the_engine_core_serves_turns_on_it() -> None:
         outs = await asyncio.gather(*(drain(s) for s in streams))
         assert [sum(len(c) for c in out) for out in outs] == [6 * SAMPLES_PER_FRAME] * 6
         # Each stream was told when its next chunk would come: the profile's step times its
-        # frames plus a decode, far less than the 80 ms a frame plays on this fast device.
+        # frames plus a decode, far less than the 80 ms a frame plays on this fast device (the
+        # margin for lateness is measured on the device's time too: a few milliseconds here).
         etas = [s.next_chunk_eta_s for s in streams]
         assert all(eta is not None for eta in etas[1:])
         assert all(0 < eta < 0.08 for eta in etas if eta is not None)

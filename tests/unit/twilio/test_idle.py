@@ -17,7 +17,7 @@ from starlette.websockets import WebSocketState
 from gateway.call import Admission, CallLifecycle, CallRegistry
 from gateway.metrics import Metrics
 from gateway.readiness import Readiness
-from gateway.twilio.session import Outcomes, TwilioConfig, TwilioSession
+from gateway.twilio.stream import Outcomes, TwilioConfig, TwilioStream
 from tests.support.clocks import VirtualClock
 from tests.support.paths import GOLDEN as GOLDEN_ROOT
 
@@ -53,7 +53,7 @@ class _NoDialogs:
         raise AssertionError("no call starts in these tests")
 
 
-def _session(idle_s: float) -> tuple[TwilioSession, _ScriptedSocket, Metrics, VirtualClock]:
+def _session(idle_s: float) -> tuple[TwilioStream, _ScriptedSocket, Metrics, VirtualClock]:
     clock = VirtualClock()
     metrics = Metrics()
     readiness = Readiness(metrics, clock)
@@ -61,8 +61,8 @@ def _session(idle_s: float) -> tuple[TwilioSession, _ScriptedSocket, Metrics, Vi
                               registry=CallRegistry(metrics), readiness=readiness,
                               dialogs=_NoDialogs(), clock=clock, metrics=metrics)
     socket = _ScriptedSocket()
-    session = TwilioSession(socket, lifecycle, TwilioConfig(idle_timeout_s=idle_s),  # type: ignore[arg-type]
-                            Outcomes(), metrics)
+    session = TwilioStream(socket, lifecycle, TwilioConfig(idle_timeout_s=idle_s),  # type: ignore[arg-type]
+                           Outcomes(), metrics)
     return session, socket, metrics, clock
 
 

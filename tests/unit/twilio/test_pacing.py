@@ -6,8 +6,8 @@ echoed marks, ``clear``) is tested with the playout itself: tests/unit/call/test
 
 from __future__ import annotations
 
-from gateway.call.events import HangUp
-from gateway.twilio.session import MAX_OUTCOMES, Outcomes, TwilioConfig
+from gateway.call.events import EndCall
+from gateway.twilio.stream import MAX_OUTCOMES, Outcomes, TwilioConfig
 
 
 def test_twilios_policy_sends_few_large_messages() -> None:
@@ -20,7 +20,7 @@ def test_outcomes_left_behind_by_other_replicas_are_bounded() -> None:
     """/twilio/after-stream may reach another replica: its outcome must not stay forever."""
     outcomes = Outcomes()
     for i in range(MAX_OUTCOMES):
-        outcomes.record(f"CA{i:032d}", HangUp())
-    outcomes.record("CA" + "f" * 32, HangUp())
+        outcomes.record(f"CA{i:032d}", EndCall())
+    outcomes.record("CA" + "f" * 32, EndCall())
     assert len(outcomes) == MAX_OUTCOMES
     assert "CA" + "f" * 32 in outcomes and f"CA{0:032d}" not in outcomes

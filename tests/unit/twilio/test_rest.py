@@ -203,7 +203,7 @@ async def test_twilio_keeping_the_stream_after_an_update_gets_it_closed(
 ) -> None:
     """The update was taken but the stream stays up (it should not): the gateway closes it
     after HANDOFF_S, so the seat is not held for good; after-stream still has the outcome."""
-    monkeypatch.setattr("gateway.twilio.session.HANDOFF_S", 0.3)
+    monkeypatch.setattr("gateway.twilio.stream.HANDOFF_S", 0.3)
     sid = f"CA{24:032d}"
     call = await _connect(gateway, 24)
     await call.send_dtmf("0")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from gateway.call.events import Dtmf, Hangup, SpeechFailed
+from gateway.call.events import CallerHungUp, Dtmf, SpeechFailed
 from gateway.call.session import Call, Dialog, Utterance
 from gateway.speech import Speaker
 from gateway.text import Reader
@@ -47,7 +47,7 @@ async def greeter(call: Call, speaker: Speaker, greeting: str,
     apologies: set[str] = set()
     while True:
         event = await call.events.get()
-        if isinstance(event, Hangup):
+        if isinstance(event, CallerHungUp):
             return
         if isinstance(event, SpeechFailed):
             if event.utterance_id not in apologies and not call.speaking:

@@ -1,6 +1,6 @@
 """The Media Streams adapter: one WebSocket's messages in, one call's frames out.
 
-It only translates. :class:`TwilioSession` reads the socket, feeds
+It only translates. :class:`TwilioStream` reads the socket, feeds
 :class:`~gateway.twilio.protocol.MediaStreamProtocol`, and turns each typed event into what the
 call lifecycle understands (``start`` -> admit and start the call; ``media`` -> caller audio;
 ``dtmf`` -> a key; ``mark`` -> playback done; ``stop`` or a closed socket -> finish).
@@ -59,7 +59,7 @@ __all__ = [
     "MAX_OUTCOMES",
     "Outcomes",
     "TwilioConfig",
-    "TwilioSession",
+    "TwilioStream",
     "TwilioTransport",
 ]
 
@@ -199,7 +199,7 @@ class TwilioTransport:
         self.call_sid: str | None = None
         #: Twilio took the outcome as a live-call update; it ends the stream itself.
         self.handed_off = False
-        #: The session stopped reading: Twilio sent ``stop``, the socket closed or went silent.
+        #: The stream stopped reading: Twilio sent ``stop``, the socket closed or went silent.
         self.stream_over = False
         self._handoff: Cancellable | None = None
         self._closing: asyncio.Task[None] | None = None
@@ -207,9 +207,9 @@ class TwilioTransport:
         # one lock keeps each message whole and in order on the socket.
         self._lock = asyncio.Lock()
         self.messages_sent = 0
-        #: Set by :meth:`abort`; the session's receive loop ends on it.
+        #: Set by :meth:`abort`; the stream's receive loop ends on it.
         self.aborted: str | None = None
-        #: The session task reading the socket, and whether it is waiting on it right now.
+        #: The stream task reading the socket, and whether it is waiting on it right now.
         self.reader: asyncio.Task[None] | None = None
         self.receiving = False
 
@@ -289,18 +289,18 @@ class TwilioTransport:
                         code=code, reason=reason.encode()[:120].decode(errors="ignore"))
 
     def abort(self, reason: str) -> None:
-        """The stream went silent: stop reading (the session then closes the socket)."""
+        """The stream went silent: stop reading (the stream then closes the socket)."""
         if self.aborted is not None:
             return
         self.aborted = reason
-        # Cancel only while the session waits on the socket, so the CancelledError lands there,
+        # Cancel only while the stream waits on the socket, so the CancelledError lands there,
         # never inside a dispatch or the call's clean-up; otherwise the loop sees ``aborted``
         # after the message it is handling.
         if self.receiving and self.reader is not None:
             self.reader.cancel()
 
 
-class TwilioSession:
+class TwilioStream:
     """One Media Streams connection, from ``connected`` to ``stop`` or close."""
 
     def __init__(
