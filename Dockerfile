@@ -6,7 +6,7 @@
 #   docker run --gpus all --stop-timeout 120 -p 8080:8080 -e GATEWAY_TWILIO_AUTH_TOKEN ivr-gateway
 #
 # docs/operators/deploy.md has the build args, the ports and where the image's ~9 GB go.
-# tests/test_dockerfile.py checks this file's structure (no Docker engine runs in CI).
+# tests/deployment/test_dockerfile.py checks this file's structure (no Docker engine runs in CI).
 
 # The Hugging Face model baked in (a CustomVoice model; see docs/authors/scripts.md for Base models).
 # Declared once here; each stage that reads it re-declares it without a value.
@@ -58,7 +58,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 
-# The torch/torchaudio pair exactly as run.sh's TORCH_PAIR (tests/test_dockerfile.py keeps the two
+# The torch/torchaudio pair exactly as run.sh's TORCH_PAIR (tests/deployment/test_dockerfile.py keeps the two
 # equal), installed first: qwen_tts imports torchaudio at import time, and PyPI's torchaudio only
 # loads beside a CUDA build of torch (PyPI's default torch wheel for Linux is one).
 ARG TORCH_PAIR="torch==2.14.1 torchaudio==2.11.1"

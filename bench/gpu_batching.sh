@@ -27,7 +27,7 @@
 # A dry run of every stage on this CPU, with the tiny model and the graph-capture stand-in
 # (RESULTS.md untouched; the stages' output under $OUT, default /tmp/gpu-batching):
 #   DRY_RUN=1 bash bench/gpu_batching.sh
-# QUICK=1 shortens the dry run further (what tests/test_gpu_run.py runs in CI).
+# QUICK=1 shortens the dry run further (what tests/bench/test_gpu_run.py runs in CI).
 # Knobs: LEVELS (batched), SLOT_LEVELS, FRAMES, OFFICIAL_TURNS, SIZES; the stage timeouts
 # T_PREFLIGHT, T_SIZE (each model size), T_PROFILE, T_BASELINES.
 set -uo pipefail

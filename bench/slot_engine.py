@@ -13,7 +13,7 @@ thread per slot, the same :class:`~gateway.tts.stream.SpeechStream` a caller of 
 iterates. It has none of the gateway's failure handling (no watchdog, no rebuilds).
 
 The seam is pinned to faster-qwen3-tts 0.2.6 / qwen-tts 0.1.1 (see pyproject.toml);
-``tests/test_bench_slot_engine.py`` keeps it honest.
+``tests/bench/test_bench_slot_engine.py`` keeps it honest.
 """
 
 from __future__ import annotations

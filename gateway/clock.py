@@ -4,7 +4,7 @@ Every component that stamps, waits or times out takes a clock from the compositi
 (:func:`gateway.app.create_app`) instead of calling ``time.monotonic()``, ``asyncio.sleep()`` or
 ``asyncio.timeout()`` itself: the call lifecycle and its playout, the Twilio and SIP transports,
 admission, drain and the IVR runner (gather timeouts and the webhook deadline). Production runs
-on :class:`SystemClock`; tests drive a virtual clock (``tests/clocks.py``) so a 5 s gather
+on :class:`SystemClock`; tests drive a virtual clock (``tests/support/clocks.py``) so a 5 s gather
 timeout, a 30 s reservation or a 110 s drain grace costs no real time.
 
 The protocol is small on purpose: two readings (:meth:`Clock.now`, monotonic, and

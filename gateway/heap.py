@@ -18,8 +18,8 @@ The price: an object frozen here that later falls out of use inside a reference 
 until the gateway stops (what is built after start-up is collected as usual). That is a
 one-time cost for what start-up builds and later replaces: the first version of the scripts
 after a reload, and the engines' buffers and graphs after a failure's rebuild, the one that
-matters (GPU memory). Those go by reference counting alone; tests/test_tts_engine.py and
-tests/test_tts_batch_engine.py check it.
+matters (GPU memory). Those go by reference counting alone; tests/unit/tts/test_engine.py and
+tests/unit/tts/test_batch_engine.py check it.
 
 A process can hold it more than once (the test suite runs gateways in-process): the first
 hold freezes, later ones only count, so the garbage of other work in the process is not

@@ -4,7 +4,7 @@
                                             as it is, new uses of an old name are renamed)
     python tools/renames_35.py STEP...      apply only these steps (``--list`` names them)
     python tools/renames_35.py --check      change nothing; list what a run would change, exit 1
-                                            if anything (tests/test_renames_35.py runs this)
+                                            if anything (tests/unit/test_renames_35.py runs this)
 
 Why a script and not a one-off edit: other branches touch the same modules. Merge them, then
 run this again: it renames what they added under the old names. It edits by Python token (a
@@ -38,7 +38,7 @@ KEEP = "renames_35: keep"
 TEXT_SUFFIXES = {".md", ".tf", ".yaml", ".yml", ".toml", ".sh", ".txt", ".cfg"}
 TEXT_NAMES = {"Dockerfile", "run.sh", "run"}
 #: Never edited: this script, and the changelog that names the old names on purpose.
-SKIP = re.compile(r"^(tools/renames_35\.py|CHANGELOG[^/]*\.md|tests/test_renames_35\.py)$")
+SKIP = re.compile(r"^(tools/renames_35\.py|CHANGELOG[^/]*\.md|tests/unit/test_renames_35\.py)$")
 
 
 # --- edits ------------------------------------------------------------------------------------

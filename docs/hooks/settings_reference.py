@@ -3,7 +3,7 @@
 ``docs/operators/configuration.md`` holds a marker; at build time it becomes a table of every
 setting: its environment variable, type, default and description, read from the settings
 object itself, so the page cannot drift from the code. A setting without a description fails
-the build (and ``tests/test_docs.py``).
+the build (and ``tests/deployment/test_docs.py``).
 """
 
 from __future__ import annotations

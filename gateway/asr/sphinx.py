@@ -521,7 +521,7 @@ class PocketSphinxRecognizer:
         d.activate_search(search)
         # The noise estimate (feat.params: -remove_noise yes) would otherwise carry over from
         # the previous turn, i.e. from another caller: measured, the same audio then decodes
-        # differently (tests/test_asr_sphinx.py). PocketSphinx 5.1 calls start_stream
+        # differently (tests/unit/asr/test_sphinx.py). PocketSphinx 5.1 calls start_stream
         # "deprecated and unnecessary"; it is neither here.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)

@@ -136,7 +136,7 @@ def line_noise(samples: int, dbfs: float, seed: int, mains_hz: float = 60.0) -> 
     t = np.arange(samples) / RATE
     hum = sum(a * np.sin(2 * np.pi * k * mains_hz * t + rng.uniform(0, 2 * np.pi))
               for k, a in ((1, 1.0), (3, 0.5), (5, 0.3)))
-    # Hum 6 dB under the hiss, as in tests/test_audio_vad.py's line noise.
+    # Hum 6 dB under the hiss, as in tests/unit/audio/test_vad.py's line noise.
     return _level(white + _level(np.asarray(hum), -6.0), dbfs)
 
 

@@ -45,10 +45,10 @@ one-second minimum) then costs a few microseconds a frame. The model's recurrent
 depend on the background it has heard (started cold on speech in noise it fires up to 0.5 s
 late), so the last :data:`LOOKBACK_WINDOWS` skipped windows are kept and run first when an
 audible window arrives: the model meets the speech with the state the line's recent background
-gives it, and decides as it does when it sees every window (``tests/test_audio_vad.py`` compares
-the two on speech, noise and backchannels). The call feeds the detector only while something
-interruptible plays (:class:`gateway.call.session.Call`), so all of it runs inline on the event
-loop.
+gives it, and decides as it does when it sees every window
+(``tests/unit/audio/test_vad.py`` compares the two on speech, noise and backchannels). The call
+feeds the detector only while something interruptible plays (:class:`gateway.call.session.Call`),
+so all of it runs inline on the event loop.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ into the query-length axis (``[rows, kv_heads, groups * q_len, head_dim]``) and 
 multi-head SDPA over the unrepeated keys; the mask broadcasts over the fold (a view for the
 one-token decode step; a small copy of the mask, never of keys, for a prefill). Each query
 head still attends to exactly its own key / value head: the same sums, so the output equals
-the library's within float tolerance (tests/test_tts_attention.py checks it on the CPU).
+the library's within float tolerance (tests/unit/tts/test_attention.py checks it on the CPU).
 
 :func:`install` registers ``"sdpa_gqa"`` through transformers' ``AttentionInterface`` (its
 extension point for attention functions), with SDPA's mask builder for it, and switches a

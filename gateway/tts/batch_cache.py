@@ -2,7 +2,7 @@
 
 Two caches, both ``transformers`` :class:`~transformers.Cache` subclasses that the Qwen3-TTS
 attention layers call through ``past_key_values.update(key, value, layer_idx, kwargs)`` (the
-one method the pinned qwen-tts 0.1.1 / transformers 4.57.3 layers use; tests/test_tts_seam.py
+one method the pinned qwen-tts 0.1.1 / transformers 4.57.3 layers use; tests/unit/tts/test_seam.py
 pins that):
 
 - :class:`RowKVCache`, the talker's: one row per turn, ``[rows, kv_heads, max_seq_len, head_dim]``

@@ -33,7 +33,7 @@ size decodes in one call of :class:`~gateway.tts.codec_batch.BatchedCodecDecoder
 chunk size and batch bucket in graph mode), and all their audio reaches the host in one copy.
 
 The pieces of qwen-tts / faster-qwen3-tts this reaches into are pinned by
-``tests/test_tts_seam.py``: the talker and predictor forwards, which call only
+``tests/unit/tts/test_seam.py``: the talker and predictor forwards, which call only
 ``past_key_values.update``; the prompt builders of ``FasterQwen3TTS``.
 """
 

@@ -20,7 +20,7 @@ decoder carries (see its module docstring):
 
 The arithmetic is the incremental decoder's, row by row; the matrices have other shapes (several
 rows, a fixed-length key window), so float32 sums may run in another order: each row's audio is
-held within float tolerance of the per-row decode (tests/test_tts_codec_batch.py).
+held within float tolerance of the per-row decode (tests/unit/tts/test_codec_batch.py).
 
 A call reads and writes only static buffers given a static slot index, so on CUDA it is captured
 as a graph per (chunk size, batch bucket) and replayed (through the capture stand-in in graph

@@ -31,7 +31,7 @@ every shape the review tried, SSE4.1 at none).
 :func:`install` swaps each large ``nn.Linear`` under a module for a :class:`PackedLinear`,
 only for fp32 weights on the CPU and only where this torch build has the two ops. They are
 private to torch's compiler, so this module is the only seam, ``pyproject.toml`` holds torch to
-a range, and ``tests/test_tts_seam.py`` fails if a build in it lacks them. CUDA keeps its own
+a range, and ``tests/unit/tts/test_seam.py`` fails if a build in it lacks them. CUDA keeps its own
 kernels.
 """
 

@@ -7,7 +7,7 @@ or a local directory (:class:`QwenModel`, once per device), on the device
 ``bench/slot_engine.py`` as the batching benchmark's baseline.
 
 The pieces of qwen-tts / faster-qwen3-tts this reaches into are pinned (see pyproject.toml);
-``tests/test_tts_seam.py`` fails loudly if either library changes them.
+``tests/unit/tts/test_seam.py`` fails loudly if either library changes them.
 """
 
 from __future__ import annotations

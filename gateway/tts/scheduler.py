@@ -30,7 +30,7 @@ and tells it what it measured:
 What the scheduler reads of a turn is two narrow views, so that it can be driven by values in
 tests: the consumer's side (:class:`TurnSink`: lead, backlog, whether it stopped) and the
 engine's row (:class:`RowView`: ready, finished, prompt tokens, frames to the next chunk). It is
-unit-tested on virtual time (tests/test_tts_scheduler_policy.py).
+unit-tested on virtual time (tests/unit/tts/test_scheduler_policy.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,96 @@
+"""Callers who speak to the demo IVR over a real Twilio stream or a real SIP call, on the
+gateway's virtual-time loop, and what the speech-menu tests read back (the recogniser swap, the
+IVR trace). Used by the PocketSphinx and the Whisper end-to-end tests alike."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.support.clocks import LoopClock
+from tests.support.servers import AUTH_TOKEN, VirtualServer
+from tests.support.waiting import until
+
+__all__ = ["SipCaller", "TwilioCaller", "ivr_trace", "recognizer_swapped"]
+
+
+class TwilioCaller:
+    def __init__(self, live: VirtualServer, n: int) -> None:
+        from tests.support.twilio_client import FakeTwilioCall
+
+        self.fake = FakeTwilioCall(live.ws_url, AUTH_TOKEN, call_sid=f"CA{n:032d}",
+                                   stream_sid=f"MZ{n:032d}", playback_speed=20)
+
+    async def start(self) -> None:
+        await self.fake.connect()
+        await self.fake.start({"From": "+15550001111"})
+
+    def say(self, ulaw: bytes) -> None:
+        self.fake.speak(ulaw)
+
+    async def press(self, keys: str) -> None:
+        for key in keys:
+            await self.fake.send_dtmf(key)
+            await asyncio.sleep(0.05)
+
+    async def ended(self) -> None:
+        await until(lambda: self.fake.closed.is_set(), 30)
+
+    async def close(self) -> None:
+        await self.fake.close()
+
+
+class SipCaller:
+    def __init__(self, live: VirtualServer, n: int) -> None:
+        from gateway.loadsim.sip_caller import SipCaller as Phone
+
+        self.live = live
+        self.phone = Phone(caller_id=f"speaker{n}",
+                           clock=LoopClock(asyncio.get_running_loop()))
+
+    async def start(self) -> None:
+        endpoint = self.live.gateway.sip
+        assert endpoint is not None and endpoint.local_addr is not None
+        await self.phone.call(endpoint.local_addr, user="ivr")
+
+    def say(self, ulaw: bytes) -> None:
+        self.phone.play(ulaw[i:i + 160] for i in range(0, len(ulaw) - 159, 160))
+
+    async def press(self, keys: str) -> None:
+        for key in keys:
+            await self.phone.send_dtmf(key)
+            await asyncio.sleep(0.05)
+
+    async def ended(self) -> None:
+        await until(lambda: self.phone.remote_hangup_at is not None, 30)
+
+    async def close(self) -> None:
+        await self.phone.aclose()
+
+
+@contextlib.contextmanager
+def recognizer_swapped(live: VirtualServer, pool: Any) -> Iterator[None]:
+    """The demo's recogniser swapped for ``pool`` for the block."""
+    switchboard = live.gateway.switchboard
+    assert switchboard is not None
+    contexts = list(switchboard.version.contexts.values())
+    originals = [context.recognizer for context in contexts]
+    for context in contexts:
+        context.recognizer = pool
+    try:
+        yield
+    finally:
+        for context, original in zip(contexts, originals, strict=True):
+            context.recognizer = original
+
+
+def ivr_trace(caplog: pytest.LogCaptureFixture, call_id: str) -> dict[str, Any]:
+    for record in caplog.records:
+        data = getattr(record, "data", None)
+        if record.getMessage() == "ivr trace" and data and data["trace"]["call_id"] == call_id:
+            return data["trace"]  # type: ignore[no-any-return]
+    raise AssertionError(f"no ivr trace for {call_id}")
