@@ -67,13 +67,16 @@ class FaultPlan:
 
     ``raise_after``: the step after that many chunks raises (a CUDA error). ``block_after``:
     after that many chunks, hang inside the step until ``release`` is set (0: before the first
-    chunk, i.e. in the prefill). ``long_frames``: generate exactly that many codec frames (a
-    long sentence, so a test can act while it is still generating). ``chunk_delay_s``: a slow
-    but healthy device.
+    chunk, i.e. in the prefill). ``raise_when``: the raising step first waits (under the
+    watchdog's limit) for this event, so a test can make "mid-sentence" mean "after the caller
+    has heard the start" on a machine of any speed. ``long_frames``: generate exactly that many
+    codec frames (a long sentence, so a test can act while it is still generating).
+    ``chunk_delay_s``: a slow but healthy device.
     """
 
     match: str = ""
     raise_after: int | None = None
+    raise_when: threading.Event | None = None
     block_after: int | None = None
     long_frames: int | None = None
     chunk_delay_s: float = 0.0
@@ -135,6 +138,10 @@ class FaultyEngine(BatchedQwenEngine):
             self._hang_here(self._chunks)
             if self.plan.raise_after == self._chunks:
                 self.plan.raise_after = None  # once
+                if self.plan.raise_when is not None:
+                    # Bounded well under the watchdog (STEP_TIMEOUT_S): this is a failing
+                    # step, not a stuck one.
+                    self.plan.raise_when.wait(STEP_TIMEOUT_S / 2)
                 raise RuntimeError("injected engine failure")
         return super().step(rows)
 
@@ -350,13 +357,18 @@ async def test_an_engine_failure_mid_sentence_plays_the_error_prompt_from_the_ca
     speech = live.gateway.speech_service
     failed, rebuilds = speech.stats.failed, sum(e.rebuilds for e in rig.engines)
     recovered = speech.stats.recovered
-    rig.arm(match=BALANCE, raise_after=2)
+    heard = threading.Event()
+    rig.arm(match=BALANCE, raise_after=2, raise_when=heard)
     async with _new_call(live) as call:
         await _to_account_lookup(live, call)
+        # The step after two chunks fails once the sentence's first frame has gone out (the
+        # start buffer holds it a moment, longer on a loaded machine).
+        await _started(live, call, BALANCE)
+        heard.set()
         await _transferred_after_sorry(live, call)
         balance = next(u for u in _utterances(live, call) if BALANCE in u.text)
         assert balance.error and "injected engine failure" in balance.error
-        # Two chunks had gone out: the partial sentence was cleared at the caller.
+        # Part of it had gone out: the partial sentence was cleared at the caller.
         assert balance.frames_sent > 0 and call.events("clear")
     assert speech.stats.failed == failed + 1
     # Back in service once rebuilt (every turn that shared the failed step was failed or
