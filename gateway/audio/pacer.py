@@ -21,7 +21,6 @@ virtual one.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 from gateway.clock import Clock, SystemClock
 
@@ -62,32 +61,21 @@ class Pacer:
     slip (:meth:`slip`).
     """
 
-    __slots__ = ("_anchor", "_anchored", "_clock", "_frame_s", "_index", "_max_lag_s", "_read",
+    __slots__ = ("_anchor", "_anchored", "_clock", "_frame_s", "_index", "_max_lag_s",
                  "_reanchors")
 
     def __init__(
         self,
-        clock: Clock | Callable[[], float] | None = None,
+        clock: Clock | None = None,
         frame_s: float = FRAME_S,
         max_lag_frames: int | None = 5,
     ) -> None:
-        """``clock``: the time the shell's conveniences read and wait on (default: real time).
-
-        A bare ``Callable[[], float]`` is accepted only until the simulator's SIP phone
-        (``gateway/loadsim/sip_caller.py``, being rewritten on another branch) hands its
-        :class:`~gateway.clock.Clock`; such a pacer cannot :meth:`wait`.
-        """
+        """``clock``: the time the shell's conveniences read and wait on (default: real time)."""
         if frame_s <= 0:
             raise ValueError(f"frame_s must be positive, got {frame_s}")
         if max_lag_frames is not None and max_lag_frames < 0:
             raise ValueError(f"max_lag_frames must be >= 0 or None, got {max_lag_frames}")
-        if clock is None:
-            clock = SystemClock()
-        self._clock: Clock | None
-        if callable(clock):
-            self._clock, self._read = None, clock
-        else:
-            self._clock, self._read = clock, clock.now
+        self._clock: Clock = clock if clock is not None else SystemClock()
         self._frame_s = frame_s
         self._max_lag_s = math.inf if max_lag_frames is None else max_lag_frames * frame_s
         self._anchor = 0.0
@@ -119,7 +107,7 @@ class Pacer:
 
     def start(self, now: float | None = None) -> None:
         """Anchor frame 0 at ``now`` (default: the clock's current time); e.g. per utterance."""
-        self._anchor = self._read() if now is None else now
+        self._anchor = self._clock.now() if now is None else now
         self._anchored = True
         self._index = 0
 
@@ -187,7 +175,7 @@ class Pacer:
         """
         if not self._anchored:
             raise RuntimeError("Pacer.next_deadline() called before start()")
-        self.catch_up(self._read() if now is None else now)
+        self.catch_up(self._clock.now() if now is None else now)
         deadline = self._anchor + self._index * self._frame_s
         self._index += 1
         return deadline
@@ -201,8 +189,6 @@ class Pacer:
         Raises :class:`RuntimeError` if :meth:`start` was never called.
         """
         clock = self._clock
-        if clock is None:
-            raise TypeError("Pacer.wait() needs a Clock, not a bare callable")
         if not self._anchored:
             raise RuntimeError("Pacer.wait() called before start()")
         now = clock.now()
