@@ -41,12 +41,14 @@ class Session:
     async def send_raw(self, data: str | bytes) -> None:
         await self.ws.send(data)
 
-    async def tokens(self, text: str, *, every: float = 0.0, size: int = 4,
+    async def tokens(self, text: str, *, every: float = 0.0, size: int = 4, last: bool = True,
                      **flags: Any) -> None:
-        """Stream ``text`` as ``text`` tokens of about ``size`` characters, ``last`` on the end."""
+        """Stream ``text`` as ``text`` tokens of about ``size`` characters, ``last`` on the end
+        (unless ``last`` is false: the answer goes on)."""
         pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
         for i, piece in enumerate(pieces):
-            await self.send(type="text", token=piece, last=i == len(pieces) - 1, **flags)
+            await self.send(type="text", token=piece, last=last and i == len(pieces) - 1,
+                            **flags)
             if every:
                 await asyncio.sleep(every)
 
