@@ -15,7 +15,8 @@ Reported per row: calls, failures, gaps heard, first audio p50/p95 after the cal
 device's own time for a first chunk (a prefill, a step at the row count reached, a decode:
 from the profile) and what the gateway adds to first-audio p95 beyond it, the event loop's lag
 (p99, from ``gateway_event_loop_lag_seconds``) and the engine core's host time per step (mean,
-``gateway_tts_step_host_seconds``). Every figure is from a SIMULATED device: the gateway, the
+``gateway_tts_step_host_seconds``) and the gateway process's CPU per second of call. Every
+figure is from a SIMULATED device: the gateway, the
 phone path and the callers are real, the device's times are the profile's.
 
 The last line: first-audio p95 at the anchor profile over the device's own first-chunk time
@@ -49,6 +50,12 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _metrics(base: str) -> str:
@@ -99,6 +106,7 @@ def run_level(profile: DeviceProfile, callers: int, duration: float, workers: in
                 raise RuntimeError(f"the gateway did not start: {work / 'gateway.log'}")
             time.sleep(0.5)
         before = _metrics(base)
+        cpu_before = _cpu_s(gateway.pid)
         out = work / "run.json"
         subprocess.run([sys.executable, "-m", "gateway", "loadsim", "run", base,
                         "--scenario", "live", "--concurrency", str(callers),
@@ -106,6 +114,7 @@ def run_level(profile: DeviceProfile, callers: int, duration: float, workers: in
                         "--json", str(out)], env=env, cwd=REPO, check=False,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         after = _metrics(base)
+        cpu = _cpu_s(gateway.pid) - cpu_before
         level = json.loads(out.read_text())["levels"][0]
         lag, _s, _n = _histogram(after, "gateway_event_loop_lag_seconds")
         lag0, _s0, _n0 = _histogram(before, "gateway_event_loop_lag_seconds")
@@ -121,6 +130,8 @@ def run_level(profile: DeviceProfile, callers: int, duration: float, workers: in
             "lag_p99_ms": 1000 * _quantile(lag_window, 0.99),
             "host_ms": 1000 * (host_sum - host_sum0) / steps if steps else float("nan"),
             "rows_p99": _quantile(rows_b, 0.99), "withheld": level.get("withheld") or "",
+            # The gateway process's CPU per second of call (every thread: loop, core).
+            "cpu_ms_per_call_s": 1000 * cpu / (callers * duration),
         }
     finally:
         gateway.send_signal(signal.SIGTERM)
@@ -165,10 +176,12 @@ def main() -> None:
                          f"{float(result['gap_ms']):.0f}", f"{float(result['ttfa_p50']):.0f}",
                          f"{float(result['ttfa_p95']):.0f}", f"{device:.0f}", f"{added:.0f}",
                          f"{float(result['lag_p99_ms']):.1f}", f"{float(result['host_ms']):.2f}",
+                         f"{float(result['cpu_ms_per_call_s']):.1f}",
                          "withheld" if result["withheld"] else ""])
     print_table(rows, ["profile (SIMULATED device)", "64-row step ms", "callers", "calls",
                        "failed", "gaps", "gap ms", "ttfa p50 ms", "p95 ms", "device ms",
-                       "gateway adds ms", "loop lag p99 ms", "host ms/step", "note"],
+                       "gateway adds ms", "loop lag p99 ms", "host ms/step",
+                       "gateway CPU ms/call-s", "note"],
                 f"live callers on a simulated device ({args.duration if not args.quick else 30:.0f}"
                 " s a level; real gateway, real callers)")
     device = device_first_chunk_ms(base, int(float(anchor["rows_p99"]) or 1))

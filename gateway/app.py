@@ -35,7 +35,7 @@ import os
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -51,6 +51,7 @@ from gateway.call.admission import Admission
 from gateway.call.events import Codec
 from gateway.call.inbound import InboundCap
 from gateway.call.lifecycle import CallLifecycle, DetectorFactory, DialogFactory
+from gateway.call.playout import start_buffer_setting
 from gateway.call.registry import CallRegistry
 from gateway.call.session import Call, Dialog, SpeechDetector
 from gateway.clock import Clock, SystemClock
@@ -66,7 +67,7 @@ from gateway.ivr.switchboard import Reloader, Switchboard, VersionBuilder, scrip
 from gateway.ivr.voices import VoiceRegistry
 from gateway.metrics import Metrics
 from gateway.readiness import Readiness
-from gateway.sip.endpoint import SipEndpoint
+from gateway.sip.endpoint import RTP_PLAYOUT, SipEndpoint
 from gateway.speech import Speaker, Voice
 from gateway.text import Reader, Reading
 from gateway.tts.engine import Engine, VoicePrompt
@@ -553,7 +554,9 @@ async def _start_sip(gateway: Gateway, sock: socket.socket | None) -> SipEndpoin
     endpoint = SipEndpoint(gateway.lifecycle, config, metrics=gateway.metrics,
                            rtp_ports=settings.rtp_port_range,
                            answer_delay_s=settings.sip_answer_delay_ms / 1000,
-                           rtp_timeout_s=settings.sip_rtp_timeout_s)
+                           rtp_timeout_s=settings.sip_rtp_timeout_s,
+                           playout=replace(RTP_PLAYOUT, start_buffer_s=start_buffer_setting(
+                               settings.sip_start_buffer_ms)))
     await endpoint.start(host, port, sock=sock)
     return endpoint
 

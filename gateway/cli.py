@@ -122,8 +122,9 @@ def serve(
         fastapi_app = create_app(settings, sip_socket=sip_socket)
         # Before the model loads (the app's lifespan): a hub model the hub cannot provide is
         # one line in seconds, not a minute of huggingface_hub retries. After the script, whose
-        # errors say more about what the operator just did.
-        require_model_source(settings.model)
+        # errors say more about what the operator just did. A simulated device loads no model.
+        if settings.engine != "simulated":
+            require_model_source(settings.model)
     except BaseException as exc:
         http_socket.close()
         if sip_socket is not None:
@@ -588,7 +589,8 @@ def prompts_render(
                    for line in load_plan(path).lines.values()}
     except ScriptError as exc:
         raise GatewayError(f"invalid script:\n{exc}") from None
-    require_model_source(settings.model)
+    if settings.engine != "simulated":
+        require_model_source(settings.model)
     from gateway.app import conditioning, default_engine_factory
 
     # The gateway's own engines (batched by default) behind the speech scheduler: prompts render

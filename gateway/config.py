@@ -198,6 +198,11 @@ class Settings(BaseSettings):
     sip_answer_delay_ms: int = Field(
         0, ge=0, le=30000, description="Ring this long before answering (0: answer at once)."
     )
+    sip_start_buffer_ms: int = Field(
+        20, ge=-1, le=1000,
+        description="SIP: a live utterance's first frame is held until it would play this "
+        "long after the speech stream's own playback origin (the start buffer; -1: no hold).",
+    )
     sip_rtp_timeout_s: float = Field(
         60, ge=0, le=3600,
         description="Hang up (BYE) a SIP call when no RTP has come from the caller for this "
@@ -290,6 +295,11 @@ class Settings(BaseSettings):
     twilio_max_lead_ms: int = Field(
         1000, ge=100, le=60000,
         description="Send audio to Twilio at most this far ahead of the caller's playback.",
+    )
+    twilio_start_buffer_ms: int = Field(
+        20, ge=-1, le=1000,
+        description="Twilio: a live utterance's first frame is held until it would play this "
+        "long after the speech stream's own playback origin (the start buffer; -1: no hold).",
     )
     twilio_idle_timeout_s: float = Field(
         10, ge=0, le=3600,

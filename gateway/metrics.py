@@ -181,7 +181,11 @@ class Metrics:
         )
         self.tts_underruns = Counter(
             "gateway_tts_underruns_total",
-            "Chunks that arrived after the previous audio would have finished playing.",
+            "Engine side: chunks the engine handed on after a listener who started playing at "
+            "the turn's first chunk would have run out of audio (the engine fell behind real "
+            "time), added when the turn completes (a cancelled turn's are not). Not what callers "
+            "hear: the start buffer absorbs short ones, and the phone path can lose lead the "
+            "engine had; see gateway_playout_underruns_total.",
             registry=r,
         )
         self.tts_text_underruns = Counter(
@@ -189,6 +193,30 @@ class Metrics:
             "Streaming-text turns (a bot's answer) that read all the text they had and sat out "
             "steps waiting for more: the bot streams slower than the voice speaks.",
             registry=r,
+        )
+        self.playout_underruns = Counter(
+            "gateway_playout_underruns_total",
+            "Caller side: gaps in the middle of an utterance as the call's playout sees them "
+            "(Twilio had played everything sent before the utterance's next frame went; an RTP "
+            "beat went out as silence while the utterance waited for audio). cause=engine: the "
+            "chunk that ended the gap came late from the engine too (also counted in "
+            "gateway_tts_underruns_total); cause=playout: it left the engine with lead to spare "
+            "and lost it after (the phone path, a stalled event loop, the transport).",
+            ["transport", "cause"], registry=r,
+        )
+        self.playout_start_hold = Histogram(
+            "gateway_playout_start_hold_seconds",
+            "How long a live utterance's first frame waited in the playout (the start buffer: "
+            "what the phone path held back of the first chunk plus the transport's buffer), "
+            "part of gateway_first_audio_seconds.",
+            ["transport"], buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15,
+                                    0.25, 0.5),
+            registry=r,
+        )
+        self.playout_underrun_seconds = Counter(
+            "gateway_playout_underrun_seconds_total",
+            "Silence of the gaps counted in gateway_playout_underruns_total.",
+            ["transport", "cause"], registry=r,
         )
         self.tts_failures = Counter(
             "gateway_tts_failures_total", "Turns failed by an error inside the engine.",

@@ -1,11 +1,13 @@
-"""Leading-silence trim: drops what precedes speech, keeps the rest bit-identical."""
+"""Phone-audio conditioning: the leading-silence trim drops what precedes speech and keeps the
+rest bit-identical; the level normaliser's limiter never lets a sample past its ceiling, gives
+the same output however the audio is chunked, and holds back one 10 ms block per chunk."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gateway.audio.condition import LeadingSilenceTrimmer
+from gateway.audio.condition import LeadingSilenceTrimmer, LevelNormalizer
 
 RATE = 24_000
 
@@ -70,3 +72,41 @@ def test_reset_starts_a_new_utterance() -> None:
     trimmer.reset()
     x = np.concatenate([np.zeros(500, dtype=np.float32), _speech(100, 1)])
     assert np.array_equal(trimmer.push(x), x[500:])
+
+
+def _bursts(seed: int = 3) -> np.ndarray:
+    """Quiet speech-like noise with sudden full-scale bursts (the limiter's worst case)."""
+    rng = np.random.default_rng(seed)
+    x = 0.02 * rng.standard_normal(RATE).astype(np.float32)
+    for start in rng.integers(0, RATE - 600, 12):
+        x[start:start + int(rng.integers(20, 600))] = rng.choice([-0.99, 0.99])
+    return x
+
+
+@pytest.mark.parametrize("sizes", [[1920] * 13, [1920, 3840, 7680, 7680], [7] * 3500])
+def test_the_limiter_keeps_every_sample_under_its_ceiling_however_the_audio_is_chunked(
+        sizes: list[int]) -> None:
+    x = _bursts()
+    whole = LevelNormalizer()
+    reference = np.concatenate([whole.push(x), whole.flush()])
+    chunked = LevelNormalizer()
+    out, i = [], 0
+    for size in sizes:
+        out.append(chunked.push(x[i:i + size]))
+        i += size
+    out += [chunked.push(x[i:]), chunked.flush()]
+    y = np.concatenate(out)
+    assert np.array_equal(y, reference)  # chunked == whole: a live render is its cached copy
+    assert len(y) == len(x)
+    # The bursts at +6 dB of level gain would reach twice full scale: all limited to -1 dBFS.
+    assert float(np.max(np.abs(y))) <= 10 ** (-1 / 20) + 1e-6
+
+
+def test_the_limiter_holds_back_one_block_of_each_chunk() -> None:
+    """What a live caller waits for: of an 80 ms chunk, all but the last 10 ms block goes on at
+    once (the look-ahead); the rest comes with the next chunk."""
+    level = LevelNormalizer()
+    x = _bursts()
+    assert len(level.push(x[:1920])) == 1920 - 240
+    assert len(level.push(x[1920:3840])) == 1920
+    assert len(level.flush()) == 240

@@ -475,6 +475,28 @@ def test_playout_model_counts_stalls_not_jitter_or_loss() -> None:
     assert holes.lost == 1  # RFC 3550 A.3: expected - received, so the duplicate offsets one
 
 
+def test_idle_fill_inside_an_utterance_is_a_dropout_the_caller_hears() -> None:
+    """The gateway fills a beat it has nothing for with 0xFF: on time, but silence. Between two
+    audio packets that is a gap (as long as the fill lasted); after the last one it is the
+    utterance's end; quiet audio (a codec's noise floor) is audio, not fill."""
+    log = RtpReceiveLog()
+    hush = b"\xff\x7f\xfe\x7e" * 40  # near-silence of both signs: quiet audio, not fill
+    payloads = [LOUD] * 5 + [QUIET] * 3 + [LOUD] * 5 + [hush] * 2 + [LOUD] * 3 + [QUIET] * 20
+    feed(log, [20 + 0.02 * n for n in range(len(payloads))], payloads)
+    stats = log.playout(20, 30)
+    assert stats.gaps == 1 and stats.gap_ms == pytest.approx(60, abs=0.01)
+    assert stats.max_gap_ms == pytest.approx(60, abs=0.01)
+    assert list(log.fills[:9]) == [0] * 5 + [1] * 3 + [0]
+    # Fill that also came late is one gap, as long as both: 2 beats of fill, then a stall.
+    late = RtpReceiveLog()
+    arrivals = [40 + 0.02 * n for n in range(12)]
+    for n in range(6, 12):
+        arrivals[n] += 0.1  # a 100 ms stall at the fill's second packet (40 ms buffered)
+    feed(late, arrivals, [LOUD] * 5 + [QUIET] * 2 + [LOUD] * 5)
+    stats = late.playout(40, 41)
+    assert stats.gaps == 1 and stats.gap_ms == pytest.approx(40 + 60, abs=0.01)
+
+
 # --- sans-I/O: pacing ---------------------------------------------------------------------------
 
 

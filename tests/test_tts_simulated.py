@@ -108,6 +108,11 @@ async def test_the_engine_core_serves_turns_on_it() -> None:
 
         outs = await asyncio.gather(*(drain(s) for s in streams))
         assert [sum(len(c) for c in out) for out in outs] == [6 * SAMPLES_PER_FRAME] * 6
+        # Each stream was told when its next chunk would come: the profile's step times its
+        # frames plus a decode, far less than the 80 ms a frame plays on this fast device.
+        etas = [s.next_chunk_eta_s for s in streams]
+        assert all(eta is not None for eta in etas[1:])
+        assert all(0 < eta < 0.08 for eta in etas if eta is not None)
         assert service.stats.completed == 6 and max(service.stats.step_rows) >= 2
         assert engine.device_s > 0
     finally:
@@ -142,3 +147,39 @@ async def test_a_gateway_on_a_simulated_device_says_so_and_answers_a_call(
             timeout=60)
         assert all(u.frames_sent > 0 for u in server_call.utterances)
         await call.send_stop()
+
+
+def test_gateway_serve_on_a_simulated_device_needs_no_model_offline(tmp_path: Path) -> None:
+    """The command an operator sizes with (bench/capacity_sim.py): no model to check or load,
+    even with the hub unreachable."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "GATEWAY_ENGINE": "simulated", "HF_HUB_OFFLINE": "1",
+           "GATEWAY_CACHE_DIR": str(tmp_path / "cache")}
+    process = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--insecure",
+                                "--host", "127.0.0.1", "--port", str(port)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        ready = None
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+                    ready = json.loads(r.read())
+                    if ready.get("status") == "ready":
+                        break
+            except OSError:
+                time.sleep(0.2)
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert ready is not None and ready["engine"].startswith("SIMULATED")
+    finally:
+        process.terminate()
+        process.wait(30)

@@ -25,6 +25,33 @@ longer list (a whole cached prompt) queues what fits and waits for the rest unti
 drained to half (so the producer wakes once per half-buffer, not once per 20 ms frame); live
 speech is pulled from the speech service no faster than it can be played.
 
+Start buffer (:attr:`PlayoutPolicy.start_buffer_s`): the first frame of a live utterance (one
+begun with ``live=True``: its frames come from a speech stream as they are generated) is held
+until it would play no earlier than the source's playback origin (the ``not_before`` its
+producer passes to :meth:`Playout.push`) plus the policy's start buffer. The source (the speech
+service) counts its lead from a listener who starts playing at its first chunk; the phone path
+hands on less than it was given (the limiter's look-ahead, the resampler's delay and the
+framer's partial frame wait for the next chunk, and trimmed leading silence is never sent), so a
+caller who started at the first frame would be that much ahead of the source's listener and run
+dry whenever a chunk arrives with less lead than the phone path holds (the stutter every live
+utterance used to start with: 40 ms of an 80 ms first chunk sent, the next chunk 43-71 ms
+later). Holding the start by exactly that deficit puts the caller's buffer level with the
+source's lead at every later chunk; the start buffer is the margin on top (delivery jitter
+between the engine thread, the event loop and the transport). The hold ends at once when the
+utterance is complete (all its frames queued: a short sentence, a cached prompt that arrives
+whole), never lasts more than ``max_start_hold_s``, and never applies mid-utterance: once an
+utterance's first frame is out, its frames go as they come.
+
+Underruns (:attr:`Playout.underruns`): a gap the caller hears in the middle of an utterance, as
+the playout sees it. Twilio: the far end had played everything sent before the next frame of
+the same utterance went. RTP: the far end is a phone with a fixed jitter buffer
+(:attr:`PlayoutPolicy.far_end_buffer_s`, the load simulator's model of it): it starts playing an
+utterance that long after its first frame went and needs each beat by then; a beat sent later
+(a stalled event loop) or sent as silence while the utterance waited for audio is a gap, the
+phone's schedule slipping by it. Reported to ``on_underrun`` with the utterance, the silence's
+length and whether the utterance was starved (nothing of it queued here: it waited for its
+source) rather than sent late (its audio was here, the event loop was not).
+
 Hold (:attr:`Playout.paused`): nothing is released, so nothing is reported as played; what is
 buffered stays, and the caller hears it from where it stopped once the call is resumed.
 
@@ -52,11 +79,14 @@ from gateway.clock import Clock
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FrameSink", "Playout", "PlayoutPolicy", "Speaker"]
+__all__ = ["FrameSink", "Playout", "PlayoutPolicy", "Speaker", "start_buffer_setting"]
 
 FRAME_S = 0.02
 #: Slack when comparing a clock reading with a deadline computed from it (float rounding).
 _EPS = 1e-6
+#: Silence shorter than this between two frames of an utterance is not counted as an underrun
+#: (the load simulator's caller models use the same tolerance).
+UNDERRUN_TOLERANCE_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -82,6 +112,16 @@ class PlayoutPolicy:
     fade_on_interrupt: bool = False
     #: Most frames buffered here (beyond what the far end holds): :meth:`Playout.push` waits.
     buffer_frames: int = 100
+    #: Start buffer of a live utterance (module docstring): its first frame is held until it
+    #: would play this long after its source's playback origin. None: no hold (every frame goes
+    #: as soon as it is queued, as before the start buffer existed; for comparison).
+    start_buffer_s: float | None = None
+    #: The longest a first frame is held, counted from when it was queued (a source whose
+    #: origin lies far back, hundreds of ms of trimmed silence, costs at most this).
+    max_start_hold_s: float = 0.25
+    #: With keep-alive (RTP): the far end's jitter buffer as underruns are counted (a phone's
+    #: fixed buffer; adaptive ones hold 40-100 ms). Counting only: nothing waits for it.
+    far_end_buffer_s: float = 0.04
 
     def __post_init__(self) -> None:
         if self.fade_on_interrupt and self.lead_s > 0:
@@ -90,6 +130,30 @@ class PlayoutPolicy:
             raise ValueError("need 1 <= min_frames_per_send <= max_frames_per_send")
         if self.buffer_frames < 2:
             raise ValueError("buffer_frames must be at least 2")
+        if self.start_buffer_s is not None and not 0 <= self.start_buffer_s <= 1:
+            raise ValueError("start_buffer_s must be None or within [0, 1] s")
+        if self.max_start_hold_s < 0:
+            raise ValueError("max_start_hold_s must be >= 0")
+
+    def first_release_at(self, queued_at: float, not_before: float | None,
+                         unplayed_s: float) -> float:
+        """When the first frame of a live utterance may be released (never held: ``-inf``).
+
+        ``queued_at``: when that frame was queued; ``not_before``: its source's playback origin
+        (None: unknown, taken as ``queued_at``); ``unplayed_s``: audio already at the far end
+        that plays before it (an earlier utterance's tail), which counts towards the hold.
+        """
+        if self.start_buffer_s is None:
+            return -math.inf
+        origin = queued_at if not_before is None else not_before
+        at = origin + self.start_buffer_s - unplayed_s
+        return min(at, queued_at + self.max_start_hold_s)
+
+
+def start_buffer_setting(ms: int) -> float | None:
+    """A ``GATEWAY_*_START_BUFFER_MS`` setting as :attr:`PlayoutPolicy.start_buffer_s`: seconds,
+    or None (no hold) for a negative value."""
+    return ms / 1000 if ms >= 0 else None
 
 
 class FrameSink(Protocol):
@@ -114,12 +178,20 @@ class Speaker(Protocol):
 
 
 class _Start:
-    """Frames after this one belong to ``speaker``."""
+    """Frames after this one belong to ``speaker``; a live utterance's first is held (the start
+    buffer) until ``first_release_at`` says, or until the utterance is ``complete``."""
 
-    __slots__ = ("speaker",)
+    __slots__ = ("complete", "live", "not_before", "queued_at", "speaker")
 
-    def __init__(self, speaker: Speaker) -> None:
+    def __init__(self, speaker: Speaker, live: bool) -> None:
         self.speaker = speaker
+        self.live = live
+        #: The source's playback origin (the producer's latest word on it).
+        self.not_before: float | None = None
+        #: When the utterance's first frame was queued.
+        self.queued_at: float | None = None
+        #: Every frame of the utterance is queued (its end, or the next utterance, follows).
+        self.complete = False
 
 
 class _Mark:
@@ -150,6 +222,7 @@ class Playout:
         silence: bytes,
         on_played: Callable[[str], None],
         on_failure: Callable[[BaseException], None] | None = None,
+        on_underrun: Callable[[Speaker, float, bool], None] | None = None,
     ) -> None:
         self._sink = sink
         self._clock = clock
@@ -157,11 +230,25 @@ class Playout:
         self._silence = silence
         self._on_played = on_played
         self._on_failure = on_failure
+        self._on_underrun = on_underrun
         self._lead_frames = policy.lead_s / FRAME_S
         self._buffer: collections.deque[_Entry] = collections.deque()
         #: Frames in the buffer (control entries not counted).
         self.buffered = 0
         self._speaker: Speaker | None = None
+        # The latest utterance begun (the producer's pushes update its start), and the one whose
+        # first frame waits at the head (the start buffer's hold).
+        self._open: _Start | None = None
+        self._starting: _Start | None = None
+        # The utterance whose frames are going out (first frame released, end not yet reached),
+        # and since when it has had nothing at the far end (an underrun in progress).
+        self._playing: Speaker | None = None
+        self._dry_since: float | None = None
+        # RTP: the far end's playback of the utterance going out (its jitter buffer's schedule:
+        # beat k is needed at origin + k frames), and the silence sent since its last audio.
+        self._far_origin = 0.0
+        self._far_beats = 0
+        self._dry_s = 0.0
         self._origin = 0.0
         self._released = 0
         self._anchored = False
@@ -182,18 +269,52 @@ class Playout:
         self.frames_released = 0
         #: Barge-in fades sent.
         self.fades = 0
+        #: Underruns (module docstring) since the call began, and their silence in seconds.
+        self.underruns = 0
+        self.underrun_s = 0.0
 
     # --- producer side ------------------------------------------------------------------------
 
-    def begin(self, speaker: Speaker) -> None:
-        """Frames pushed from now on belong to ``speaker`` (it hears when they are released)."""
-        self._buffer.append(_Start(speaker))
+    def begin(self, speaker: Speaker, *, live: bool = False) -> None:
+        """Frames pushed from now on belong to ``speaker`` (it hears when they are released).
+
+        ``live``: they come from a source as it generates them (a speech stream), so the first
+        is held for the policy's start buffer (module docstring); a prompt played from memory
+        (``live=False``) is all in hand and starts at once.
+        """
+        self._close_open()
+        entry = _Start(speaker, live)
+        self._open = entry
+        self._buffer.append(entry)
         self._wake.set()
 
-    async def push(self, frames: list[bytes]) -> None:
+    def end(self) -> None:
+        """Every frame of the utterance begun last is queued: its start is held no longer."""
+        self._close_open()
+
+    def _close_open(self) -> None:
+        entry, self._open = self._open, None
+        if entry is not None and not entry.complete:
+            entry.complete = True
+            if entry is self._starting:
+                self._wake.set()
+
+    async def push(self, frames: list[bytes], *, not_before: float | None = None) -> None:
         """Queue ``frames`` in order, never more than ``buffer_frames`` at a time: waits for
         room (backpressure on the producer). Returns once the last one is queued, or at once
-        after an :meth:`interrupt` (what was not queued yet is dropped with the rest)."""
+        after an :meth:`interrupt` (what was not queued yet is dropped with the rest).
+
+        ``not_before``: the source's playback origin for a live utterance (module docstring):
+        the time from which its source counts the lead of what it has handed on, moved later by
+        the audio the producer holds back or dropped. Only its latest value before the first
+        frame is released counts.
+        """
+        entry = self._open
+        if entry is not None and frames:
+            if not_before is not None:
+                entry.not_before = not_before
+            if entry.queued_at is None:
+                entry.queued_at = self._clock.now()
         bound = self.policy.buffer_frames
         epoch = self._epoch
         start, count = 0, len(frames)
@@ -212,7 +333,9 @@ class Playout:
             self._wake.set()
 
     def mark(self, name: str) -> None:
-        """Report ``name`` as played once every frame queued before it has played."""
+        """Report ``name`` as played once every frame queued before it has played (it ends
+        the utterance begun last: see :meth:`end`)."""
+        self._close_open()
         self._buffer.append(_Mark(name))
         self._wake.set()
 
@@ -227,6 +350,8 @@ class Playout:
         self._buffer.clear()
         self.buffered = 0
         self._speaker = None
+        self._open = self._starting = None
+        self._end_playing()
         self._epoch += 1
         self._space.set()
         self._mark_at.clear()
@@ -264,6 +389,7 @@ class Playout:
         self._paused = value
         if value:
             self._resumed.clear()
+            self._end_playing()  # the silence of a hold is the caller's, not an underrun
         else:
             if self.policy.keepalive:
                 # We own the stream: it starts again now, the next frame due at once, not where
@@ -321,6 +447,13 @@ class Playout:
                 self._buffer.popleft()
                 await self._control(head)
                 continue
+            # The start buffer: a live utterance's first frame waits (module docstring).
+            hold_until = self._hold_until(now) if head is not None else None
+            if hold_until is not None and not policy.keepalive:
+                self._wake.clear()  # woken early when the utterance turns out complete
+                with contextlib.suppress(TimeoutError):
+                    await clock.wait_for(self._wake.wait(), hold_until - now)
+                continue
             played = (now - self._origin) / FRAME_S
             room = math.floor(played + self._lead_frames + _EPS) + 1 - self._released
             # Batch while the far end has audio to play (fewer messages), but never hold back a
@@ -339,19 +472,88 @@ class Playout:
                     with contextlib.suppress(TimeoutError):
                         await clock.wait_for(self._wake.wait(), due - now)
                 continue
-            frames = self._take(min(room, policy.max_frames_per_send))
+            # On a held beat (RTP) silence goes out, as on any beat with nothing to say.
+            frames = [] if hold_until is not None else self._take(
+                min(room, policy.max_frames_per_send))
             speaker = self._speaker
             if not frames:
                 if not policy.keepalive:
                     continue
                 frames = [self._silence]
                 speaker = None  # keep-alive silence is nobody's audio
+            if policy.keepalive:
+                self._beat(speaker, now)
+            elif speaker is not None:
+                self._started(speaker, now)
             await self._sink.send_frames(frames)
             self._released += len(frames)
             self.frames_released += len(frames)
             if speaker is not None:
                 # Stamped once the transport has taken the frames: what the caller waits for.
                 speaker.frames_released(len(frames), clock.now())
+
+    def _hold_until(self, now: float) -> float | None:
+        """While the head frame is a live utterance's first and its start buffer is not full:
+        until when it waits (None: no hold)."""
+        start = self._starting
+        if start is None:
+            return None
+        if start.complete or start.queued_at is None:
+            self._starting = None
+            return None
+        at = self.policy.first_release_at(start.queued_at, start.not_before, self.unplayed_s())
+        if at <= now + _EPS:
+            self._starting = None
+            return None
+        return at
+
+    def _started(self, speaker: Speaker, now: float) -> None:
+        """Twilio: frames of ``speaker`` go out now: its first ones, or ones ending an
+        underrun (the far end ran dry at ``_dry_since``)."""
+        self._starting = None
+        if self._playing is not speaker:
+            self._playing, self._dry_since = speaker, None
+            return
+        dry_since, self._dry_since = self._dry_since, None
+        if dry_since is not None:
+            self._underrun(speaker, now - dry_since, starved=True)
+
+    def _beat(self, speaker: Speaker | None, now: float) -> None:
+        """RTP: a beat goes out now, ``speaker``'s frame or silence (None); a phone with a fixed
+        jitter buffer would hear a gap where it comes late or silent mid-utterance."""
+        if speaker is not None and self._playing is not speaker:
+            # The utterance's first frame: the phone plays it a jitter buffer from now.
+            self._starting = None
+            self._playing = speaker
+            self._far_origin = now + self.policy.far_end_buffer_s
+            self._far_beats, self._dry_s = 1, 0.0
+            return
+        playing = self._playing
+        if playing is None:
+            return
+        stall = now - (self._far_origin + self._far_beats * FRAME_S)
+        self._far_beats += 1
+        if stall > _EPS:
+            self._far_origin += stall  # the phone played nothing meanwhile: its clock slips
+        else:
+            stall = 0.0
+        if speaker is None:
+            self._dry_s += stall + FRAME_S
+            return
+        dry, self._dry_s = self._dry_s, 0.0
+        self._underrun(playing, dry + stall, starved=dry > 0)
+
+    def _underrun(self, speaker: Speaker, silence: float, *, starved: bool) -> None:
+        if silence > UNDERRUN_TOLERANCE_S:
+            self.underruns += 1
+            self.underrun_s += silence
+            if self._on_underrun is not None:
+                self._on_underrun(speaker, silence, starved)
+
+    def _end_playing(self) -> None:
+        self._playing = None
+        self._dry_since = None
+        self._dry_s = 0.0
 
     def _anchor(self, now: float) -> None:
         policy = self.policy
@@ -363,7 +565,10 @@ class Playout:
             if lag > policy.max_lag_frames * FRAME_S:
                 self._origin, self._released = now, 0
         elif self._released * FRAME_S <= now - self._origin:
-            # The far end has played everything: playback restarts with the next frame.
+            # The far end has played everything: playback restarts with the next frame. Mid-
+            # utterance that is an underrun, silent since the last frame finished playing.
+            if self._playing is not None and self._dry_since is None:
+                self._dry_since = self._origin + self._released * FRAME_S
             self._origin, self._released = now, 0
             self._mark_at.clear()  # their positions were in the old run, all played by now
 
@@ -384,8 +589,12 @@ class Playout:
         return frames
 
     async def _control(self, entry: _Start | _Mark | _Clear) -> None:
+        # Whatever the entry, the utterance going out has reached its end (its mark, the next
+        # utterance, a barge-in's clear): silence from here on is not an underrun.
+        self._end_playing()
         if isinstance(entry, _Start):
             self._speaker = entry.speaker
+            self._starting = entry if entry.live else None
         elif isinstance(entry, _Mark):
             if self.policy.far_end_marks:
                 self._mark_at[entry.name] = self._released

@@ -25,7 +25,13 @@ the call. Everything between is here, written once:
   WAV file). Speech goes through the phone-audio path (conditioning -> 8 kHz -> G.711 -> 20 ms
   frames, :class:`~gateway.audio.framer.PhonePipeline`) into the call's
   :class:`~gateway.call.playout.Playout`, which paces it to the transport with backpressure. An
-  utterance counts as played when its mark comes back.
+  utterance counts as played when its mark comes back. A live utterance starts behind its start
+  buffer: the call tells the playout where the speech stream's own playback origin lies (when
+  its first chunk arrived, moved later by the audio the phone path has not yet handed on), so
+  the caller's buffer is never emptier than the engine's lead says (see
+  :mod:`gateway.call.playout`); a gap the caller hears mid-utterance anyway is an underrun,
+  counted by cause (``gateway_playout_underruns_total``: the engine's chunk came late too, or it
+  did not).
 - **Barge-in** (:meth:`Call.barge_in`): generation is cancelled between chunks, buffered audio
   dropped (faded out where the gateway owns the stream) and the far end cleared: control beats
   media.
@@ -47,7 +53,7 @@ import collections
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -56,6 +62,7 @@ from gateway.aio import cancel_and_wait
 from gateway.audio.condition import Conditioning
 from gateway.audio.framer import Framer, PhonePipeline
 from gateway.audio.g711 import alaw_encode, codec_silence, float_to_int16, ulaw_encode
+from gateway.audio.resample import INPUT_RATE
 from gateway.call.events import (
     CallEvent,
     CallOutcome,
@@ -68,7 +75,7 @@ from gateway.call.events import (
     SpeechStarted,
 )
 from gateway.call.inactivity import InactivityWatch
-from gateway.call.playout import FrameSink, Playout, PlayoutPolicy
+from gateway.call.playout import FRAME_S, FrameSink, Playout, PlayoutPolicy, Speaker
 from gateway.clock import Clock
 from gateway.errors import EngineError
 from gateway.metrics import Metrics
@@ -177,6 +184,14 @@ class AudioStream(Protocol):
 StreamOpener = Callable[["Utterance"], AudioStream]
 
 
+@runtime_checkable
+class _EngineGaps(Protocol):
+    """A speech stream that counts its own underruns (``SpeechStream.gaps``: chunks handed on
+    after a listener who started at its first chunk would have run out)."""
+
+    gaps: int
+
+
 class SpeechDetector(Protocol):
     """Caller speech onsets from inbound G.711 frames (:class:`gateway.audio.vad`)."""
 
@@ -249,6 +264,14 @@ class Utterance:
     interruptible: bool = False
     #: Its number in the call (1, 2, ...): counts past what :attr:`Call.utterances` keeps.
     seq: int = 0
+    #: Gaps the caller heard in the middle of it (the playout's underruns) and their silence.
+    underruns: int = 0
+    underrun_s: float = 0.0
+    #: Whether the latest chunk of its speech stream came late from the engine itself.
+    late_chunk: bool = False
+    #: When its first frame was queued for the playout (live speech: the start buffer holds it
+    #: from then until ``first_frame_at``).
+    first_queued_at: float | None = None
 
     def frames_released(self, count: int, at: float) -> None:
         """The playout handed ``count`` of this utterance's frames to the transport at ``at``."""
@@ -333,6 +356,7 @@ class Call:
             silence=bytes([codec_silence(codec)]) * 160,
             on_played=self._played,
             on_failure=self._playout_failed,
+            on_underrun=self._underrun,
         )
         self._detector = detector
         #: The dialog waits for the caller's speech (not only while an interruptible utterance
@@ -550,6 +574,27 @@ class Call:
     def _inactive(self) -> None:
         self.transport.abort("inbound timeout")
 
+    def _underrun(self, speaker: Speaker, silence_s: float, starved: bool) -> None:
+        """The caller heard ``silence_s`` of silence in the middle of an utterance (``starved``:
+        while it waited for audio, not while its audio waited to be sent)."""
+        if not isinstance(speaker, Utterance):
+            return
+        speaker.underruns += 1
+        speaker.underrun_s += silence_s
+        # The engine's own count says whose the gap is: the chunk that ended it came late from
+        # the engine (also in gateway_tts_underruns_total), or it was on time and lost its lead
+        # on the way (the phone path, the event loop, the transport). One late chunk explains
+        # one gap: a beat a stalled loop sends late after it is not the engine's.
+        cause = "engine" if starved and speaker.late_chunk else "playout"
+        if cause == "engine":
+            speaker.late_chunk = False
+        if self._metrics is not None:
+            self._metrics.playout_underruns.labels(self._transport_name, cause).inc()
+            self._metrics.playout_underrun_seconds.labels(self._transport_name, cause
+                                                          ).inc(silence_s)
+        log.info("call %s: %s ran dry for %.1f ms after %d frames (%s)", self.call_id,
+                 speaker.id, 1000 * silence_s, speaker.frames_sent, cause)
+
     def _playout_failed(self, exc: BaseException) -> None:
         # A transport that cannot take frames any more: the call cannot go on.
         self.transport.abort(f"playout failed: {exc}")
@@ -621,9 +666,13 @@ class Call:
         return utterance
 
     def _first_frame(self, utterance: Utterance) -> None:
+        assert utterance.first_frame_at is not None
+        if self._metrics is not None and not utterance.cached and \
+                utterance.first_queued_at is not None:
+            self._metrics.playout_start_hold.labels(self._transport_name).observe(
+                max(0.0, utterance.first_frame_at - utterance.first_queued_at))
         if not utterance.caller_turn:
             return
-        assert utterance.first_frame_at is not None
         latency = utterance.first_frame_at - utterance.turn_started_at
         if self._metrics is not None:
             source = "cached" if utterance.cached else "live"
@@ -694,22 +743,54 @@ class Call:
         pipeline.reset()
         pipeline.tap = utterance.capture
         playout = self.playout
+        clock = self.clock
         pushed = False
+        # The stream's playback origin as its engine counts it: a listener who starts at the
+        # first chunk. What the phone path has taken in (seconds of 24 kHz) and handed on
+        # (frames) says how far behind that listener the caller would be.
+        origin: float | None = None
+        first_chunk_s = 0.0
+        spare = 0.0
+        taken = 0
+        framed = 0
+        engine_gaps = 0
         try:
-            playout.begin(utterance)
+            playout.begin(utterance, live=True)
             stream = open_stream(utterance)
             utterance.stream = stream
+            counts = stream if isinstance(stream, _EngineGaps) else None
             async for chunk in stream:
+                if origin is None:
+                    origin = clock.now()
+                    first_chunk_s = len(chunk) / INPUT_RATE
+                if counts is not None:
+                    utterance.late_chunk = counts.gaps > engine_gaps
+                    engine_gaps = counts.gaps
+                taken += len(chunk)
                 frames = pipeline.push(chunk)
                 if frames:
                     pushed = True
-                    await playout.push(frames)
+                    if not framed:
+                        utterance.first_queued_at = clock.now()
+                    if framed == 0:
+                        # A device that makes the next chunk in less than the first one plays
+                        # needs none of the start buffer that covers an engine at real time:
+                        # the lead it will have to spare when that chunk comes is taken off the
+                        # hold (on every push: a later chunk re-states the origin while the
+                        # first frame still waits for an RTP beat).
+                        eta = getattr(stream, "next_chunk_eta_s", None)
+                        if eta is not None:
+                            spare = max(0.0, first_chunk_s - eta)
+                    framed += len(frames)
+                    behind = taken / INPUT_RATE - framed * FRAME_S
+                    await playout.push(frames, not_before=origin + max(0.0, behind) - spare)
             if utterance.interrupted or self.ended:
                 return
             tail = pipeline.flush()
             if tail:
                 pushed = True
                 await playout.push(tail)
+            playout.end()
         except Exception as exc:
             # Not only the engine's EngineError: a bug anywhere on the phone-audio path (a
             # malformed chunk, the conditioner, the playout) must end in the dialog's error

@@ -60,6 +60,11 @@ Measurement definitions (the simulator reports these):
   was still arriving (a key pressed mid-prompt), the packets that follow may still be the
   interrupted prompt's: the answer is the first speech packet at or after the first cut after
   ``t``; without a cut, the first speech packet after the interrupted speech stopped.
+- *idle fill*: an audio packet whose every byte is the codec's silence code (0xFF for PCMU:
+  linear 0), what the gateway sends on a beat it has nothing to say on. Speech through the
+  gateway's phone path does not yield 20 ms of it (a codec's quietest noise has both signs,
+  and no negative sample encodes to 0xFF), so idle fill between two audio packets of an
+  utterance is a dropout the caller hears, whatever their jitter buffer holds.
 - *playout gaps*: see :class:`PlayoutStats` (a fixed 40 ms jitter buffer, ``JITTER_BUFFER_S``).
 
 SIP timers run on the event loop's clock; every measurement uses the caller's injected clock
@@ -91,7 +96,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
-from gateway.audio.g711 import ULAW_SILENCE, ulaw_decode
+from gateway.audio.g711 import ALAW_SILENCE, ULAW_SILENCE, ulaw_decode
 from gateway.audio.pacer import Pacer
 from gateway.errors import GatewayError
 from gateway.sip.message import (
@@ -160,6 +165,7 @@ FRAME_SAMPLES: Final[int] = 160
 """Samples (= mu-law bytes) in one 20 ms frame."""
 FRAME_S: Final[float] = FRAME_SAMPLES / CLOCK_RATE
 PT_PCMU: Final[int] = 0
+PT_PCMA: Final[int] = 8
 PT_TELEPHONE_EVENT: Final[int] = 101
 SILENCE_THRESHOLD: Final[int] = 128
 """A packet is silent when every decoded sample has ``|x| <=`` this (int16 scale)."""
@@ -329,6 +335,11 @@ class PlayoutStats:
     packet. A packet arriving after it is needed is a *gap*: the phone plays nothing for
     ``arrival - needed`` and resumes with that packet, so the schedule slips by the gap (no
     re-buffering; later packets are judged against the slipped clock, so one stall counts once).
+    Idle fill (module docstring) between two audio packets is a gap too, as long as the fill
+    (and any stall within it) lasted: the sender had nothing to send, and packets of silence
+    arriving on time are silence all the same. Fill after the last audio packet of the window
+    is the utterance's end, not a gap. (This is how a Twilio caller's gaps are counted too:
+    any silence between audio within the window, :meth:`Heard.gaps_between`.)
     Sequence-number holes are ``lost`` (concealed, not gaps); packets at or behind the highest
     sequence played are ``discarded``. Telephone-event packets keep the sequence count but are
     not audio. A change of SSRC continues the schedule where the previous stream ended.
@@ -377,6 +388,9 @@ class RtpReceiveLog:
         self.sizes = array("L")
         self.kinds = bytearray()
         self.cuts = bytearray()
+        #: 1 where an audio packet is idle fill: every byte the codec's silence code.
+        self.fills = bytearray()
+        self._fill = bytes([ALAW_SILENCE if audio_pt == PT_PCMA else ULAW_SILENCE])
         self.source_ids = array("H")
         self.sources: list[tuple[str, int]] = []
         self._source_index: dict[tuple[str, int], int] = {}
@@ -402,8 +416,10 @@ class RtpReceiveLog:
             return
         payload = packet.payload
         cut = 0
+        fill = 0
         if pt == self.audio_pt:
             kind = _SPEECH if payload.translate(None, self._silent) else _SILENT
+            fill = kind == _SILENT and bool(payload) and not payload.rstrip(self._fill)
             last = self._last_audio
             # RFC 3551 4.1: the marker bit opens a talkspurt; a timestamp that does not follow
             # the previous packet's (its samples times the packets between) does too.
@@ -434,6 +450,7 @@ class RtpReceiveLog:
         self.sizes.append(len(payload))
         self.kinds.append(kind)
         self.cuts.append(cut)
+        self.fills.append(fill)
         self.source_ids.append(index)
         stats = self._stats.get(packet.ssrc)
         if stats is None:
@@ -572,8 +589,10 @@ class RtpReceiveLog:
         ssrc = ssrcs[first]
         last_seq = seqs[first]
         played_until = origin + sizes[first] / CLOCK_RATE
+        fills = self.fills
         packets, gaps, lost, discarded = 1, 0, 0, 0
         gap_s = max_gap_s = 0.0
+        dropout = 0.0  # idle fill (and stalls within it) since the last audio packet
         for i in range(first + 1, hi):
             if ssrcs[i] != ssrc:
                 # A new stream continues where the old one stopped playing.
@@ -589,13 +608,22 @@ class RtpReceiveLog:
                 continue
             needed = origin + ts_diff(stamps[i], ts0) / CLOCK_RATE
             late = arrivals[i] - needed
+            stall = 0.0
             if late > _EPSILON_S:
-                gaps += 1
-                gap_s += late
-                max_gap_s = max(max_gap_s, late)
+                stall = late
                 origin += late
                 needed = arrivals[i]
-            played_until = needed + sizes[i] / CLOCK_RATE
+            duration = sizes[i] / CLOCK_RATE
+            if fills[i]:
+                dropout += stall + duration
+            else:
+                silence = dropout + stall
+                if silence > _EPSILON_S:
+                    gaps += 1
+                    gap_s += silence
+                    max_gap_s = max(max_gap_s, silence)
+                dropout = 0.0
+            played_until = needed + duration
             packets += 1
         return PlayoutStats(
             start=arrivals[first],

@@ -62,6 +62,9 @@ from gateway.aio import cancel_and_wait
 log = logging.getLogger(__name__)
 
 FRAME_S = 0.02
+#: A frame that arrives this little after the audio before it ran out is not a gap (the same
+#: tolerance as the gateway's own count, ``gateway.call.playout.UNDERRUN_TOLERANCE_S``).
+GAP_TOLERANCE_S = 0.001
 _SILENCE = base64.b64encode(b"\xff" * 160).decode()
 #: Twilio's REST API version, sent in every webhook request.
 API_VERSION = "2010-04-01"
@@ -257,15 +260,26 @@ class Heard:
         """Underruns of a listener who starts playing at the first frame after ``start``.
 
         Returns (count, total ms, audio seconds received). A gap is a frame that arrives after
-        everything before it has finished playing; the utterance ends at ``end`` (its mark,
-        a clear, or the next turn), after which silence is expected and not counted.
+        everything before it has finished playing (by more than 1 ms, the tolerance the
+        gateway's own count uses: ``gateway.call.playout.UNDERRUN_TOLERANCE_S``); the utterance
+        ends at ``end`` (its mark, a clear, or the next turn), after which silence is expected
+        and not counted.
+
+        The model of Twilio's buffer: it plays what it is sent in order, from the moment the
+        first of it arrives, and silence once it has run out; a mark is echoed once the audio
+        before it has played (what Twilio documents for marks). That it keeps no start-up
+        buffer of its own is this model's assumption, the strict one: any such buffer would
+        only hide gaps. Twilio's media clock sends 20 ms packets on a phase of its own; playing
+        from the exact arrival is that phase's worst case (a gap of ``g`` ms is heard, rounded
+        up to a whole packet, with probability about ``g / 20`` on a random phase), so the
+        count is an upper bound and the gap time its expectation.
         """
         playout_end: float | None = None
         gaps, gap_s, audio = 0, 0.0, 0.0
         for arrival, seconds in self.media:
             if arrival < start or arrival >= end:
                 continue
-            if playout_end is not None and arrival > playout_end + 1e-3:
+            if playout_end is not None and arrival > playout_end + GAP_TOLERANCE_S:
                 gaps += 1
                 gap_s += arrival - playout_end
             playout_end = max(playout_end or arrival, arrival) + seconds

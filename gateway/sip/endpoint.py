@@ -71,7 +71,10 @@ __all__ = ["MAX_DIGITS", "RTP_PLAYOUT", "MediaStats", "SipEndpoint", "SipMedia"]
 #: How RTP plays: the gateway owns the stream (lead 0), so pacing is one packet per 20 ms beat,
 #: silence keeps the stream continuous (NAT bindings, the far end's media timers; a gap would be
 #: heard as a click), a stream more than 5 frames (100 ms, the deep end of jitter buffers) behind
-#: re-anchors instead of bursting, and a barge-in fades the next frame out.
+#: re-anchors instead of bursting, and a barge-in fades the next frame out. A live utterance
+#: starts behind the start buffer (:mod:`gateway.call.playout`): a beat with nothing to send
+#: mid-utterance goes out as silence, which the caller hears as a dropout whatever their phone's
+#: jitter buffer holds (``GATEWAY_SIP_START_BUFFER_MS`` sets it).
 RTP_PLAYOUT = PlayoutPolicy(
     lead_s=0.0,
     max_frames_per_send=1,
@@ -83,6 +86,7 @@ RTP_PLAYOUT = PlayoutPolicy(
     # A second of audio queued ahead of the wire, as Twilio's lead (GATEWAY_TWILIO_MAX_LEAD_MS):
     # a cached prompt is fed in as it plays, not queued whole.
     buffer_frames=50,
+    start_buffer_s=0.02,
 )
 
 #: Digits a call keeps in :attr:`MediaStats.digits` (the latest; ``digits_received`` counts all).
@@ -136,11 +140,10 @@ class MediaStats:
 class SipMedia:
     """One call's RTP session: the :class:`~gateway.call.session.CallTransport` of a SIP call."""
 
-    playout = RTP_PLAYOUT
-
     def __init__(self, endpoint: SipEndpoint, key: str, answer: Answer,
                  sock: asyncio.DatagramTransport, protocol: _Udp) -> None:
         self.endpoint = endpoint
+        self.playout: PlayoutPolicy = endpoint.playout
         self.key = key
         self.codec: Codec = "pcmu" if answer.codec.upper() == "PCMU" else "pcma"
         self.answer = answer
@@ -318,9 +321,11 @@ class SipEndpoint:
         answer_delay_s: float = 0.0,
         accept_any_rtp_source: bool = False,
         rtp_timeout_s: float = 60.0,
+        playout: PlayoutPolicy = RTP_PLAYOUT,
     ) -> None:
         """Each call's cap on inbound RTP packets is the lifecycle's
-        (:mod:`gateway.call.inbound`)."""
+        (:mod:`gateway.call.inbound`); ``playout`` is how its RTP plays (:data:`RTP_PLAYOUT`,
+        its start buffer from settings)."""
         self.lifecycle = lifecycle
         self.clock = lifecycle.clock
         self.metrics = metrics
@@ -332,6 +337,7 @@ class SipEndpoint:
         self.answer_delay_s = answer_delay_s
         self.accept_any_rtp_source = accept_any_rtp_source
         self.rtp_timeout_s = rtp_timeout_s
+        self.playout = playout
         self.media: dict[str, SipMedia] = {}
         self.calls: dict[str, Call] = {}
         self.dropped = 0

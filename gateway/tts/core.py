@@ -115,7 +115,8 @@ class TurnOutput(TurnSink, Protocol):
     def attach(self, wake: Callable[[], None]) -> None: ...
     def waiting_on_consumer(self, blocked: bool) -> None: ...
     def take_text(self) -> tuple[str, bool] | None: ...
-    def deliver(self, audio: Any, now: float, outbox: Outbox) -> None: ...
+    def deliver(self, audio: Any, now: float, outbox: Outbox,
+                next_chunk_eta_s: float | None = None) -> None: ...
     def end(self, outbox: Outbox) -> None: ...
     def fail(self, exc: BaseException, outbox: Outbox) -> None: ...
     def finish(self, outbox: Outbox) -> None: ...
@@ -461,11 +462,20 @@ class EngineCore:
         elapsed = time.perf_counter() - t0
         delivered = False
         now = self.clock()
+        costs = self.scheduler.costs
+        # No estimate before a step and a decode were measured: a cold engine's first turn keeps
+        # the whole start buffer rather than trust a zero.
+        step_s = costs.step_for(len(self.scheduler.running)) \
+            if costs.step_s and costs.decode_s > 0 else None
         for turn, audio in zip(turns, audios, strict=True):
             assert turn.row is not None
             if audio is not None:
                 if len(audio):
-                    _out(turn).deliver(audio, now, self._outbox)
+                    # When this turn's next chunk should come: its frames at the measured
+                    # step time, then a decode (what the start buffer needs to know).
+                    eta = None if step_s is None else \
+                        turn.row.frames_to_chunk * step_s + costs.decode_s
+                    _out(turn).deliver(audio, now, self._outbox, eta)
                     delivered = True
             if turn.row.finished is not None:
                 self._complete(turn)

@@ -126,6 +126,11 @@ class SpeechStream:
         self._wake: Callable[[], None] | None = None
         #: Each frame's codec ids when the engine records them (tests, benchmarks).
         self.codes: list[Any] = []
+        #: When its next chunk is expected, in seconds after the latest one was handed over
+        #: (the engine core's estimate from its measured step and decode times; None before
+        #: the first chunk). The phone path's start buffer holds a live utterance's first frame
+        #: only as long as that says it must.
+        self.next_chunk_eta_s: float | None = None
         # Streamed text: what the event loop fed, waiting for the core (a deque: appended on
         # one thread, popped on the other), and a word cut short, held for the next piece.
         self._text_in: collections.deque[tuple[str, bool]] = collections.deque()
@@ -244,8 +249,12 @@ class SpeechStream:
         """The core sits this turn out until its consumer takes a chunk (then wakes it)."""
         self._blocked = blocked
 
-    def deliver(self, audio: np.ndarray, now: float, outbox: Outbox) -> None:
-        """Hand over one chunk (it reaches the consumer at the outbox's next flush)."""
+    def deliver(self, audio: np.ndarray, now: float, outbox: Outbox,
+                next_chunk_eta_s: float | None = None) -> None:
+        """Hand over one chunk (it reaches the consumer at the outbox's next flush), with the
+        core's estimate of how long the next one will take."""
+        if next_chunk_eta_s is not None:
+            self.next_chunk_eta_s = next_chunk_eta_s
         self._record_chunk(len(audio), now)
         self._produced += 1
         outbox.post(self._loop, self._queue.put_nowait, audio, self._cancel.set)

@@ -30,7 +30,7 @@ from gateway.call.events import CallOutcome, Codec
 from gateway.call.inactivity import InactivityWatch
 from gateway.call.inbound import InboundRate
 from gateway.call.lifecycle import CallLifecycle
-from gateway.call.playout import PlayoutPolicy
+from gateway.call.playout import PlayoutPolicy, start_buffer_setting
 from gateway.call.session import Call
 from gateway.clock import Cancellable, Clock, SystemClock
 from gateway.config import Settings
@@ -94,6 +94,8 @@ class TwilioConfig:
     #: Audio is sent at most this far ahead of the caller's playback.
     max_lead_s: float = 1.0
     frames_per_message: int = 50
+    #: The start buffer of a live utterance (:mod:`gateway.call.playout`); None: no hold.
+    start_buffer_s: float | None = 0.02
     #: How long the voice webhook holds a seat for a stream that has not connected yet (Twilio
     #: connects within a second or two; a call that never streams gives its seat back). 0: none.
     reservation_s: float = 5.0
@@ -112,6 +114,7 @@ class TwilioConfig:
             idle_timeout_s=settings.twilio_idle_timeout_s,
             max_lead_s=settings.twilio_max_lead_ms / 1000,
             frames_per_message=settings.frames_per_message,
+            start_buffer_s=start_buffer_setting(settings.twilio_start_buffer_ms),
             reservation_s=settings.twilio_reservation_s,
             busy_message=settings.busy_message,
             after_stream_hops=AFTER_STREAM_HOPS if settings.twilio_account_sid else 0,
@@ -121,7 +124,8 @@ class TwilioConfig:
         """Twilio buffers what it is sent and echoes marks once they have played: send up to
         ``max_lead_s`` ahead, in messages of at least half that (two or more a second, not 50),
         and never fade on barge-in (``clear`` cuts Twilio's buffer at a playback position only
-        Twilio knows)."""
+        Twilio knows). Twilio plays a message as soon as it arrives and plays silence once its
+        buffer is empty, so a live utterance starts behind the start buffer."""
         lead_frames = max(1, round(self.max_lead_s / 0.02))
         most = max(1, min(self.frames_per_message, lead_frames))
         return PlayoutPolicy(
@@ -131,6 +135,7 @@ class TwilioConfig:
             keepalive=False,
             far_end_marks=True,
             fade_on_interrupt=False,
+            start_buffer_s=self.start_buffer_s,
         )
 
 
