@@ -5,7 +5,7 @@ marks and ``clear`` only), keys can still reach the far end as audio: each key i
 tones, one from the low group (697-941 Hz) and one from the high group (1209-1633 Hz), which
 G.711 carries well and DTMF receivers on the far side (an IVR, a voicemail system) detect.
 Timing follows Q.24's limits with margin: 100 ms of tone, 100 ms of silence; ``w`` is half a
-second's pause, as in Twilio's ``sendDigits``. Each tone sits at -9 dBFS (the pair at about -6
+second's pause, as in Twilio's ``sendDigits``. Each tone sits at -12 dBFS (the pair at -6
 dBFS peak): loud enough to detect after a lossy path, short of clipping.
 """
 
@@ -25,7 +25,7 @@ KEYS: dict[str, tuple[int, int]] = {
     "7": (852, 1209), "8": (852, 1336), "9": (852, 1477), "C": (852, 1633),
     "*": (941, 1209), "0": (941, 1336), "#": (941, 1477), "D": (941, 1633),
 }
-_AMPLITUDE = 10 ** (-9 / 20)
+_AMPLITUDE = 10 ** (-12 / 20)
 
 
 def dtmf_tones(digits: str, *, rate: int = 8000, tone_ms: int = 100, gap_ms: int = 100,

@@ -240,6 +240,20 @@ class TalkStream:
         segment.done = True
         self._at += 1
 
+    @property
+    def gaps(self) -> int:
+        """Engine underruns of its turns (:attr:`gateway.tts.stream.SpeechStream.gaps`): chunks
+        that came after the audio before them would have played out."""
+        return sum(getattr(s.stream, "gaps", 0) for s in self.segments if s.stream is not None)
+
+    @property
+    def next_chunk_eta_s(self) -> float | None:
+        """The current turn's estimate of its next chunk (the phone path's start buffer)."""
+        if self._at >= len(self.segments):
+            return None
+        stream = self.segments[self._at].stream
+        return getattr(stream, "next_chunk_eta_s", None) if stream is not None else None
+
     def cancel(self) -> None:
         """Stop: the current turn is cancelled, nothing more is opened."""
         self._cancelled = True
@@ -289,6 +303,7 @@ def _written_upto(pieces: list[Piece], position: float) -> str:
     piece read as written is cut after its last word that ends by then)."""
     out: list[str] = []
     at = 0
+    position += 1e-6  # a word that ends exactly there was heard (float rounding aside)
     for piece in pieces:
         end = at + len(piece.spoken)
         if end <= position:

@@ -1657,7 +1657,8 @@ def _say_item_paths(script: Script) -> Iterator[tuple[tuple[str | int, ...], Say
             if node.bot.welcome_greeting is not None:
                 yield ("nodes", name, "bot", "welcome_greeting"), node.bot.welcome_greeting
             for i, prompt in enumerate(node.bot.prompts):
-                yield ("nodes", name, "bot", "prompts", i), prompt
+                if prompt in script.prompts:  # (one that is not is reported where it is)
+                    yield ("nodes", name, "bot", "prompts", i), prompt
 
 
 def _check_sentence(
