@@ -221,7 +221,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-# --- callers ---------------------------------------------------------------------------------------
+# --- callers -------------------------------------------------------------------------------------
 
 
 class Caller:
@@ -314,7 +314,7 @@ async def _connected(relay: Relay, caller: Caller, bot: RelayTestBot | None = No
 TRANSPORTS = ["twilio", "sip"]
 
 
-# --- the message set -------------------------------------------------------------------------------
+# --- the message set -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -389,14 +389,14 @@ def test_the_whole_message_set_both_ways(relay: Relay, said: dict[str, bytes],
         finally:
             await caller.close()
 
-    caller, bot = relay.live.run(scenario())
+    _, bot = relay.live.run(scenario())
     kinds = [m["type"] for m in bot.received]
     assert kinds[0] == "setup"
     assert {"setup", "prompt", "dtmf", "error"} <= set(kinds)
     assert len(bot.of("error")) == 1, bot.of("error")
 
 
-# --- barge-in and preemption -----------------------------------------------------------------------
+# --- barge-in and preemption ---------------------------------------------------------------------
 
 LONG = ("Thank you for your patience. I can see three recent payments on the account, the "
         "last one on the fourth of the month, and there is nothing overdue at the moment.")
@@ -505,7 +505,7 @@ def test_a_preemptible_answer_gives_way_to_the_next(relay: Relay, transport: str
     relay.live.run(scenario())
 
 
-# --- what the gateway refuses ----------------------------------------------------------------------
+# --- what the gateway refuses --------------------------------------------------------------------
 
 MALFORMED: list[tuple[str | bytes, str]] = [
     (b"\x00binary", "binary frames"),

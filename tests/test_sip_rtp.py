@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
@@ -688,7 +689,7 @@ def test_keys_sent_as_events_are_received_as_those_keys() -> None:
     assert [d for d, _ in received] == ["1", "#", "A"]
     assert keys.sent == 3
     # One sequence space for audio and events, wrapping; the clock runs on through events.
-    assert all(seq_diff(b.sequence, a.sequence) == 1 for a, b in zip(packets, packets[1:]))
+    assert all(seq_diff(b.sequence, a.sequence) == 1 for a, b in itertools.pairwise(packets))
     events = [p for p in packets if p.payload_type == 101]
     first_of_each = [p for p in events if p.marker]
     assert len(first_of_each) == 3 and all(p.timestamp in {t for _, t in received}
