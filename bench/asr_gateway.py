@@ -1,7 +1,7 @@
 """End of speech -> the recognised branch's first audio, through a real gateway (bench/asr.py).
 
 A real ``gateway serve`` process (the quick start's: tiny model, prompts/demo.yaml, its prompt
-cache, the built-in recogniser in its worker process) takes calls from the load simulator's
+cache, the recogniser GATEWAY_ASR names in its worker process) takes calls from the load simulator's
 Twilio callers (webhook, Media Stream, 20 ms caller audio in real time). Each turn says
 "repeat", "main menu" or "say that again" in one of several flite and espeak-ng voices while the
 menu plays: the speech barges in, the gather recognises it, and the menu starts again from the
@@ -78,11 +78,11 @@ def _recordings(directory: Path) -> list[Path]:
 class _Gateway:
     """``gateway serve`` in a subprocess; its JSON log lines collected as they come."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, asr: str = "auto") -> None:
         self.port = _free_port()
         env = {**os.environ, "GATEWAY_CACHE_DIR": str(work / "prompt-cache"),
                "GATEWAY_LOG_FORMAT": "json", "GATEWAY_MAX_CALLS": "32",
-               "GATEWAY_DEVICE": "cpu"}
+               "GATEWAY_DEVICE": "cpu", "GATEWAY_ASR": asr}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "serve", "--insecure", "--model", "tiny",
              "--script", str(DEMO), "--port", str(self.port), "--host", "127.0.0.1"],
@@ -128,14 +128,16 @@ class _Gateway:
             self.proc.kill()
 
 
-def measure(turns: int, work: Path | None = None, think_s: float = 0.4) -> GatewayTurns:
-    """Run ``turns`` speech turns and as many key turns through a real gateway (see module)."""
+def measure(turns: int, work: Path | None = None, think_s: float = 0.4,
+            asr: str = "auto") -> GatewayTurns:
+    """Run ``turns`` speech turns and as many key turns through a real gateway (see module),
+    its recogniser chosen by ``asr`` (GATEWAY_ASR)."""
     from gateway.loadsim.runner import LoadConfig, run_level
 
     work = work or Path(tempfile.gettempdir()) / "qwen3-tts-gateway-bench-asr"
     (work / "speech").mkdir(parents=True, exist_ok=True)
     recordings = _recordings(work / "speech")
-    gateway = _Gateway(work)
+    gateway = _Gateway(work, asr)
     out = GatewayTurns()
     try:
         gateway.ready()

@@ -259,9 +259,12 @@ def _recognizer(settings: Settings, plan: LinePlan) -> RecognizerPool | None:
             log.warning("speech gathers need the caller-speech detector to find the caller's "
                         "turn; GATEWAY_BARGE_IN_ON_SPEECH is off, so they take keys only")
         return None
-    from gateway.asr.sphinx import PocketSphinxRecognizer
+    from gateway.asr.factory import recognizer_factory
 
-    return RecognizerPool(PocketSphinxRecognizer, workers=settings.asr_workers,
+    factory = recognizer_factory(settings)
+    if factory is None:
+        return None
+    return RecognizerPool(factory, workers=settings.asr_workers,
                           timeout_s=settings.asr_timeout_s)
 
 

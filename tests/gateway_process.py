@@ -208,6 +208,9 @@ class GatewayProcess:
             "GATEWAY_HOST": "127.0.0.1",
             "GATEWAY_PORT": str(self.port),
             "GATEWAY_PUBLIC_URL": self.base_url,
+            # The built-in recogniser unless a test asks for Whisper (as tests/conftest.py's
+            # in-process gateways do): the suite's count of neural recognitions stays bounded.
+            "GATEWAY_ASR": "pocketsphinx",
             **self.env,
         }
         if self.sip_port is not None:

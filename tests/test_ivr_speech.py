@@ -302,3 +302,114 @@ async def test_a_hold_stops_the_no_input_clock_of_a_listening_gather(h: Harness)
     await h.settle(0.5)
     await h.task
     assert h.runner.path[-1] == "agent" and h.spoken()[-1] == "Hold on."
+
+
+ACCOUNT = """
+name: read-back test
+voice: {speaker: ryan, language: English}
+start: account
+error: agent
+prompts:
+  account: Say your account number.
+  sorry: Sorry.
+nodes:
+  account:
+    gather:
+      prompt: account
+      digits: 6
+      retries: 1
+      retry_prompt: sorry
+      speech: digits
+      store: account_number
+      branch: {default: done}
+      fallback: agent
+  done:
+    say: {text: Thanks., language: English}
+    hangup: true
+  agent:
+    say: {text: Hold on., language: English}
+    transfer: "+15555550100"
+"""
+
+
+def unsure(digits: str) -> RecognitionResult:
+    """Spoken digits the recogniser is not sure of (Whisper's read-back band)."""
+    return RecognitionResult(MatchStatus.MATCH, digits=digits, transcript=digits,
+                             confidence=0.3, audio_s=2.5, confirm=True)
+
+
+@pytest.fixture
+async def account() -> AsyncIterator[Harness]:
+    harness = Harness(parse_script(ACCOUNT, "account.yaml"))
+    yield harness
+    if not harness.task.done():
+        harness.task.cancel()
+    await asyncio.gather(harness.task, return_exceptions=True)
+    await harness.call.close()
+
+
+@pytest.mark.parametrize("answer", ["yes", "1"])
+async def test_unsure_spoken_digits_are_read_back_and_taken_once_the_caller_confirms(
+    account: Harness, answer: str,
+) -> None:
+    h = account
+    await h.waiting()
+    h.recognizer.results = [unsure("479201"), *([said("yes")] if answer == "yes" else [])]
+    await h.say(2.5)
+    await h.settle(0.2)
+    await h.waiting()  # the read-back asks and listens
+    assert h.spoken()[-1] == ("I heard 4 7 9 2 0 1. Is that right? Say yes or no, or press 1 "
+                              "for yes, 2 for no.")
+    assert "account_number" not in h.runner.variables  # not taken yet
+    if answer == "yes":
+        await h.say(0.5)
+        await h.settle(0.2)
+    else:
+        h.call.dtmf("1")
+        await h.settle(0.1)
+    await h.task
+    assert h.runner.variables["account_number"] == "479201"
+    assert "_read_back" not in h.runner.variables  # never sent to a webhook
+    assert h.runner.path[-1] == "done"
+
+
+@pytest.mark.parametrize("answer", ["no", "2"])
+async def test_a_read_back_the_caller_refuses_is_asked_again_and_never_stored(
+    account: Harness, answer: str,
+) -> None:
+    h = account
+    await h.waiting()
+    h.recognizer.results = [unsure("479201"), *([said("no")] if answer == "no" else []),
+                            said(digits="479207")]
+    await h.say(2.5)
+    await h.settle(0.2)
+    await h.waiting()
+    if answer == "no":
+        await h.say(0.5)
+        await h.settle(0.2)
+    else:
+        h.call.dtmf("2")
+        await h.settle(0.1)
+    await h.waiting()
+    assert h.spoken()[-2:] == ["Sorry.", "Say your account number."]
+    assert "account_number" not in h.runner.variables
+    await h.say(2.5)  # said again, heard for sure this time: no read-back
+    await h.settle(0.2)
+    await h.task
+    assert h.runner.variables["account_number"] == "479207"
+    assert sum("I heard" in t for t in h.spoken()) == 1
+
+
+async def test_unsure_digits_of_a_private_gather_are_never_said_aloud(h: Harness) -> None:
+    await h.waiting()
+    h.recognizer.results = [said("billing"), unsure("4170")]
+    await h.say()
+    await h.settle(0.2)
+    await h.waiting()
+    assert h.runner.path[-1] == "account"
+    await h.say(2.0)
+    await h.settle(0.2)
+    await h.waiting()
+    assert "digits" not in h.runner.variables
+    assert not any("I heard" in t or "4 1 7 0" in t for t in h.spoken())
+    assert h.runner.path[-1] == "account"  # asked again (its retry prompt is its prompt)

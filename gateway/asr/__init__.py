@@ -7,6 +7,10 @@
   :class:`Vocabulary` a script is validated against (languages, dictionary);
 * :mod:`gateway.asr.sphinx` - the built-in recogniser (PocketSphinx en-us, no download), its
   dictionary and language checks for script validation, and why it rejects what it rejects;
+* :mod:`gateway.asr.whisper` - the neural recogniser (Whisper on CTranslate2: phrases scored
+  against the audio, digit strings by constrained decoding, read back when unsure, free-form
+  transcripts with word timings), and :mod:`gateway.asr.factory`, which of the two a gateway
+  runs (``GATEWAY_ASR``);
 * :mod:`gateway.asr.pool` - recognisers in worker processes (:class:`RecognizerPool`) and the
   per-turn :class:`SpeechSession` a call feeds 20 ms frames while a speech gather listens
   (when the turn is over is the IVR's: :mod:`gateway.ivr.listening`);

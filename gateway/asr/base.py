@@ -7,7 +7,8 @@ worker processes (a decoder such as PocketSphinx holds the GIL for the whole of 
 thread pool would stall every call's 20 ms audio pacing; measured in ``gateway.asr.sphinx``).
 
 Implementations: :class:`gateway.asr.sphinx.PocketSphinxRecognizer` (built in, English, no
-download). Others (faster-whisper, Vosk, a cloud service) implement the same protocol.
+download) and :class:`gateway.asr.whisper.WhisperRecognizer` (faster-whisper on CTranslate2,
+a model directory or hub id). Others (Vosk, a cloud service) implement the same protocol.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "Recognizer",
     "UnknownWord",
     "Vocabulary",
+    "Word",
     "to_pcm16",
 ]
 
@@ -67,6 +69,17 @@ class MatchStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Word:
+    """One word of a transcript, where it is in the turn's audio (seconds), and how sure the
+    recogniser is of it (0..1; the mean of its tokens' probabilities for Whisper)."""
+
+    text: str
+    start_s: float
+    end_s: float
+    probability: float
+
+
+@dataclass(frozen=True)
 class RecognitionResult:
     """The outcome of one caller turn.
 
@@ -96,6 +109,11 @@ class RecognitionResult:
     cpu_s: float = 0.0
     #: Which recogniser produced this ("pocketsphinx-5.1.1/en-us").
     recognizer: str = ""
+    #: The transcript's words with their timings, where the recogniser gives them (Whisper).
+    words: tuple[Word, ...] = ()
+    #: A MATCH the recogniser is not sure of (a digit string): read it back to the caller and
+    #: use it only once they confirm it.
+    confirm: bool = False
 
     @property
     def matched(self) -> bool:

@@ -16,6 +16,13 @@ the dictionary check with a hint to spell numbers out, because "1" could be said
 
 A caller rarely says only the phrase: "agent, please", "uh, billing". :func:`match` therefore
 accepts a phrase with a few filler words around it (:data:`EDGE_FILLERS`), never inside it.
+
+``SpeechGrammar.free_form(language)`` listens for anything: the turn's transcript (with its
+words' timings and confidence) is the answer, for a bot that takes the caller's own words. Only
+an open-vocabulary recogniser (Whisper) can take it.
+
+:func:`spoken_digits` reads a digit string out of a transcript however it was written:
+"479201", "479-201", "4, 7, 9, 2, 0, 1", "four seven nine two oh one" all give ``479201``.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ __all__ = [
     "language_name",
     "match",
     "phrase_words",
+    "spoken_digits",
     "tokenize",
 ]
 
@@ -121,13 +129,17 @@ class SpeechGrammar:
     branches: tuple[tuple[str, tuple[str, ...]], ...] = ()
     digits: int | None = None
     language: str = "en"
+    #: No phrases, no digits: the caller's words are the answer (see the module docstring).
+    transcribe: bool = False
     _index: dict[tuple[str, ...], tuple[str, str]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        if not self.branches and self.digits is None:
+        if self.transcribe and (self.branches or self.digits is not None):
+            problems.append("a free-form grammar has no phrases or digits")
+        if not self.branches and self.digits is None and not self.transcribe:
             problems.append("a speech grammar needs phrases, digits, or both")
         if self.digits is not None and not 1 <= self.digits <= MAX_DIGITS:
             problems.append(f"digits must be between 1 and {MAX_DIGITS}, not {self.digits}")
@@ -172,6 +184,15 @@ class SpeechGrammar:
         )
         return cls(branches=branches, digits=digits, language=code)
 
+    @classmethod
+    def free_form(cls, language: str = "en") -> SpeechGrammar:
+        """Listen for anything: the transcript is the answer (module docstring)."""
+        code = language_code(language)
+        if code is None:
+            raise GrammarError([f"{language!r} is not a language a recogniser can be chosen "
+                                "for; name it (e.g. English or en-US)"])
+        return cls(language=code, transcribe=True)
+
     @property
     def phrases(self) -> Mapping[tuple[str, ...], tuple[str, str]]:
         """Normalised words -> (branch, phrase as written), for every phrase."""
@@ -186,7 +207,7 @@ class SpeechGrammar:
 
     def key(self) -> str:
         """Stable content hash: recognisers cache compiled grammars under it."""
-        text = repr((self.branches, self.digits, self.language))
+        text = repr((self.branches, self.digits, self.language, self.transcribe))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -225,3 +246,34 @@ def match(grammar: SpeechGrammar, words: Iterable[str]) -> Match | None:
         if len(core) == grammar.digits and all(w in DIGIT_WORDS for w in core):
             return Match(None, None, "".join(DIGIT_WORDS[w] for w in core), (lo, hi))
     return None
+
+
+_NUMBER_WORDS: Final[Mapping[str, str]] = {**DIGIT_WORDS, "o": "0", "nought": "0", "nil": "0"}
+_REPEATS: Final[Mapping[str, int]] = {"double": 2, "triple": 3}
+
+
+def spoken_digits(text: str) -> str | None:
+    """The digit string ``text`` says, or None when it says anything else as well.
+
+    Digits written as numerals ("479201", "479-201", "4, 7, 9") or spoken ("four seven nine
+    two oh one", "double seven") count; punctuation between them is ignored. Any other word
+    (fillers aside) makes it None: "I have 3 kids" is not an account number. Nothing is
+    truncated or padded: the caller's count of digits is the string's length.
+    """
+    out: list[str] = []
+    repeat = 1
+    words = [w for w in re.findall(r"[a-z]+|[0-9]+", text.lower()) if w not in EDGE_FILLERS]
+    if not words:
+        return None
+    for word in words:
+        if word.isdigit():
+            out.append(word * repeat if repeat > 1 and len(word) == 1 else word)
+            repeat = 1
+        elif word in _REPEATS:
+            repeat = _REPEATS[word]
+        elif word in _NUMBER_WORDS:
+            out.append(_NUMBER_WORDS[word] * repeat)
+            repeat = 1
+        else:
+            return None
+    return "".join(out) if repeat == 1 else None

@@ -246,6 +246,9 @@ def unknown_words(phrases: Iterable[str]) -> list[UnknownWord]:
 def check_grammar(grammar: SpeechGrammar) -> list[str]:
     """Why the built-in recogniser cannot use ``grammar`` (empty list: it can)."""
     problems = []
+    if grammar.transcribe:
+        problems.append("the built-in recogniser cannot transcribe free-form speech; configure "
+                        "the neural one (GATEWAY_ASR=whisper)")
     if grammar.language not in LANGUAGES:
         problems.append(f"the built-in recogniser only knows English, not {grammar.language!r};"
                         " configure a recogniser for that language")

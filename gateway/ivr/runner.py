@@ -84,6 +84,16 @@ MAX_WEBHOOK_BYTES = 64 * 1024
 MAX_VARIABLE_CHARS = 200
 #: Nodes visited by one call before the runner gives up (a script loop with no caller input).
 MAX_STEPS = 1000
+READ_BACK = "I heard {_read_back}. Is that right? Say yes or no, or press 1 for yes, 2 for no."
+"""What a gather says back when the recogniser is unsure of spoken digits (English: the speech
+gathers that take digits are English for now)."""
+_READ_BACK = "_read_back"
+CONFIRM_PHRASES: dict[str, list[str]] = {
+    "yes": ["yes", "yeah", "yep", "correct", "that's right", "right"],
+    "no": ["no", "nope", "wrong", "that's wrong", "not right"],
+}
+"""What the caller says to a read-back (or presses 1 or 2)."""
+
 #: Keys an answer collects at most (the longest ``digits`` a gather may ask for): a caller
 #: pressing keys without end, no terminator coming, still gets an answer, and a bounded one.
 MAX_ANSWER_DIGITS = 32
@@ -101,6 +111,8 @@ class _Answer:
     digits: str = ""
     branch: str | None = None
     failed: bool = False
+    #: Spoken digits the recogniser is not sure of: read them back before taking them.
+    confirm: bool = False
 
 
 
@@ -496,6 +508,8 @@ class IvrRunner:
                 # using up one of the caller's retries (they did nothing wrong).
                 grammar, retry = None, True
                 continue
+            if answer.confirm and not await self._confirmed(gather, answer.digits):
+                answer = _Answer("")
             if answer.branch is not None:
                 self.trace.choices.append((node, f"said: {answer.branch}"))
                 return answer.branch
@@ -646,10 +660,35 @@ class IvrRunner:
         if result.matched:
             if result.branch is not None:
                 return _Answer(branch=result.branch)
-            return _Answer(result.digits or "")
+            return _Answer(result.digits or "", confirm=result.confirm)
         log.info("call %s: %s heard no answer: %s", self.call.call_id, self.path[-1],
                  result.reason or result.status.value)
         return _Answer("")
+
+    async def _confirmed(self, gather: Gather, digits: str) -> bool:
+        """Read back spoken digits the recogniser is not sure of; True once the caller says yes
+        (or presses 1). A private gather's digits are never said aloud: asked again instead."""
+        if gather.private:
+            log.info("call %s: unsure of a private spoken answer; asking again",
+                     self.call.call_id)
+            return False
+        grammar = None
+        if self.ctx.recognizer is not None and self.ctx.recognizer.running:
+            grammar = SpeechGrammar.build(CONFIRM_PHRASES)
+        # Spaced, so the voice reads them digit by digit; a variable, so the sentence is
+        # rendered live and never stored in the prompt cache.
+        self.variables[_READ_BACK] = " ".join(digits)
+        question = Gather(prompt=[Sentence(text=READ_BACK)], digits=1, retries=0,
+                          timeout=gather.timeout, branch={"1": "yes", "2": "no"},
+                          speech=CONFIRM_PHRASES)
+        try:
+            answer = await self._collect(question, retry=False, grammar=grammar)
+        finally:
+            self.variables.pop(_READ_BACK, None)
+        yes = answer.branch == "yes" or answer.digits == "1"
+        log.info("call %s: read back %d spoken digits: %s", self.call.call_id, len(digits),
+                 "confirmed" if yes else "not confirmed, asking again")
+        return yes
 
     def _heard_speech(self, gather: Gather, decision: SpeechDecision | None, *,
                       failed: str | None = None) -> None:
