@@ -439,13 +439,10 @@ def test_a_key_stops_the_bot_and_the_bot_hears_what_was_heard(relay: Relay,
                 # The phone hears silence within a frame or two of the key's arrival.
                 stopped = await until(lambda: caller.phone.stream_stopped_after(pressed), 10)
                 assert stopped - pressed < 0.2
-            # What the bot still sends of the cut-off answer is not spoken; its next one is.
-            await bot.send(type="text", token=" And one more thing", last=False)
-            await bot.send(type="text", token=".", last=True)
-            await bot.tokens("Anything else?")
+            # The key went to the bot: what it sends now may answer it, and is spoken.
+            await bot.send(type="text", token="", last=True)
+            await bot.tokens("You pressed three. Anything else?")
             await _heard(call, "Anything else?")
-            assert not any("one more thing" in u.text for u in call.utterances)
-            assert "one more thing" not in answer.text
             await bot.send(type="end")
             await _heard(call, "Goodbye.")
             await caller.ended()
@@ -463,16 +460,24 @@ def test_speech_stops_the_bot(relay: Relay, said: dict[str, bytes]) -> None:
             bot = await _connected(relay, caller)
             call = caller.call
             await _heard(call, "Hello, this is Acme.")
-            await bot.tokens(LONG, size=6)
+            await bot.tokens(LONG, size=6, last=False)  # the LLM is still writing
             answer = await _heard(call, "Thank you", played=False)
             await until(lambda: answer.frames_sent >= 40, 60, "the answer under way")
             caller.say(said["stop"])
             interrupt = await bot.wait("interrupt")
             assert answer.interrupted
             assert LONG.startswith(interrupt["utteranceUntilInterrupt"])
-            # What the caller said then reaches the bot.
+            # The bot's LLM was still writing when it read the interrupt: those tokens are
+            # dropped, not spoken as a new answer over the caller.
+            await bot.send(type="text", token=" And one more thing", last=False)
+            await bot.send(type="text", token=" about that.", last=False)
+            # What the caller said then reaches the bot, and its answer is spoken.
             prompt = await bot.wait("prompt")
             assert prompt["voicePrompt"]
+            await bot.tokens("Okay, stopping.")
+            await _heard(call, "Okay, stopping.")
+            assert not any("one more thing" in u.text for u in call.utterances)
+            assert "one more thing" not in answer.text
             await bot.send(type="end")
             await caller.ended()
         finally:

@@ -18,8 +18,9 @@ on at the node's ``next``) or fails (the script's error path):
   stream, ``clear`` on Twilio) and the bot gets ``interrupt`` with what the caller had heard:
   the frames that reached them (on Twilio, less what Twilio still held), as the bot's own words
   (:meth:`TalkStream.heard <gateway.bot.talk.TalkStream.heard>`). Queued talks are dropped, and
-  the rest of the interrupted answer's tokens too (up to its ``last``, or the caller's next
-  prompt). Speech the caller makes over a talk that speech cannot interrupt is not sent
+  so are the interrupted answer's tokens still on their way (the bot's LLM goes on writing
+  until it reads ``interrupt``) up to the answer's ``last`` or the caller's next input to the
+  bot (a ``prompt``, or the interrupting key's ``dtmf``: whatever comes after may answer it). Speech the caller makes over a talk that speech cannot interrupt is not sent
   (ConversationRelay's ``reportInputDuringAgentSpeech: none``).
 - **Preemption.** A new talk stops a playing talk marked ``preemptible`` and replaces those
   queued (the bot's "let me check..." gives way to the answer); no ``interrupt`` is sent.
@@ -788,6 +789,8 @@ class BotSession:
             await self._interrupt("dtmf")
             if self.bot.dtmf_detection and self._ended is None:
                 self._send(DtmfOut(event.digit))
+                # What the bot sends from now on may answer this key: nothing more is dropped.
+                self._discarding = False
         elif isinstance(event, SpeechStarted):
             talk = self._current
             if talk is not None and not talk.allows("speech"):
