@@ -27,7 +27,7 @@ __all__ = ["DEFAULT_ANSWER", "AgentBot", "tokens"]
 
 log = logging.getLogger(__name__)
 
-#: What the bot answers every turn (181 characters: two sentences, a number among them).
+#: What the bot answers every turn (166 characters: two sentences, a number among them).
 DEFAULT_ANSWER = ("Thanks for waiting. I can see your last payment of $42.10 arrived on "
                   "December 3rd, so your account is up to date, and nothing else is due "
                   "until the end of next month.")

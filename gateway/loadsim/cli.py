@@ -201,7 +201,7 @@ BotPortOpt = Annotated[int, typer.Option(
     help="agent: the port the simulator's bot listens on (the gateway's bot node's URL).")]
 TokenRateOpt = Annotated[float, typer.Option(help="agent: the bot's tokens per second.")]
 AnswerOpt = Annotated[str | None, typer.Option(
-    help="agent: what the bot answers each turn (default: two sentences, 181 characters).")]
+    help="agent: what the bot answers each turn (default: two sentences, 166 characters).")]
 BotDelayOpt = Annotated[float, typer.Option(
     help="agent: seconds from a caller's key to the bot's first token (an LLM's time).")]
 DigitsOpt = Annotated[str, typer.Option(
