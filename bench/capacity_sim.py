@@ -3,6 +3,7 @@
     python bench/capacity_sim.py                        # anchor profile, 64 callers, and a sweep
     python bench/capacity_sim.py --quick                # shorter levels
     python bench/capacity_sim.py --profile my.json      # a profile the GPU run measured
+    python bench/capacity_sim.py --hold both            # adaptive vs fixed start buffer
 
 Each row starts a real gateway (``gateway serve``, no script: every sentence it says is live)
 on a simulated device (``GATEWAY_ENGINE=simulated``: the engine core over a device whose
@@ -81,15 +82,25 @@ def _quantile(buckets: list[tuple[float, float]], q: float) -> float:
     return next(le for le, count in buckets if count >= target)
 
 
+def _total(text: str, name: str, **labels: str) -> float:
+    """The sum of a counter's samples whose labels include ``labels``."""
+    total = 0.0
+    for match in re.finditer(rf"^{name}{{([^}}]*)}} (\S+)$", text, re.M):
+        if all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
 def run_level(profile: DeviceProfile, callers: int, duration: float, workers: int,
-              work: Path) -> dict[str, float | str]:
+              work: Path, adaptive: bool = True) -> dict[str, float | str]:
     path = work / f"{profile.name.replace(' ', '_')}.json"
     path.write_text(profile.to_json())
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "GATEWAY_ENGINE": "simulated", "GATEWAY_DEVICE_PROFILE": str(path),
            "GATEWAY_MAX_CALLS": "1024", "GATEWAY_BATCH_ROWS": "64",
-           "GATEWAY_CACHE_DIR": str(work / "cache"), "GATEWAY_LOG_LEVEL": "warning"}
+           "GATEWAY_CACHE_DIR": str(work / "cache"), "GATEWAY_LOG_LEVEL": "warning",
+           "GATEWAY_START_BUFFER_ADAPTIVE": "true" if adaptive else "false"}
     gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--insecure",
                                 "--host", "127.0.0.1", "--port", str(port)], env=env, cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=open(work / "gateway.log", "w"))
@@ -123,6 +134,7 @@ def run_level(profile: DeviceProfile, callers: int, duration: float, workers: in
         _hb0, host_sum0, host_n0 = _histogram(before, "gateway_tts_step_host_seconds")
         rows_b, _rows_sum, _rows_n = _histogram(after, "gateway_tts_batch_size")
         steps = host_n - host_n0
+        underruns = "gateway_playout_underruns_total"
         return {
             "calls": level["calls"], "errors": level["errors"], "gaps": level["gaps"],
             "gap_ms": level["gap_ms"], "ttfa_p50": level["ttfa_ms"]["p50"],
@@ -132,6 +144,12 @@ def run_level(profile: DeviceProfile, callers: int, duration: float, workers: in
             "rows_p99": _quantile(rows_b, 0.99), "withheld": level.get("withheld") or "",
             # The gateway process's CPU per second of call (every thread: loop, core).
             "cpu_ms_per_call_s": 1000 * cpu / (callers * duration),
+            # The gateway's own count of the gaps, by cause (engine: the chunk came late from
+            # the engine too; playout: it left the engine in time).
+            "gw_engine": _total(after, underruns, cause="engine")
+            - _total(before, underruns, cause="engine"),
+            "gw_playout": _total(after, underruns, cause="playout")
+            - _total(before, underruns, cause="playout"),
         }
     finally:
         gateway.send_signal(signal.SIGTERM)
@@ -158,6 +176,9 @@ def main() -> None:
     parser.add_argument("--sweep", default="10,20,30,40",
                         help="64-row step ms of the scaled profiles ('' for none)")
     parser.add_argument("--quick", action="store_true", help="30 s levels")
+    parser.add_argument("--hold", choices=["adaptive", "fixed", "both"], default="adaptive",
+                        help="the start buffer: adaptive (the default), fixed "
+                        "(GATEWAY_START_BUFFER_ADAPTIVE=false), or both, alternating, per level")
     args = parser.parse_args()
     duration = 30.0 if args.quick else args.duration
     base = load_profile(args.profile)
@@ -165,21 +186,28 @@ def main() -> None:
     rows = []
     anchor: dict[str, float | str] = {}
     with tempfile.TemporaryDirectory(prefix="capacity-sim-") as tmp:
-        for profile in variants:
-            result = run_level(profile, args.callers, duration, args.workers, Path(tmp))
-            if profile is base:
+        runs = [(p, a) for n, p in enumerate(variants)
+                for a in ((True,) if args.hold == "adaptive" else (False,) if args.hold == "fixed"
+                          else ((True, False) if n % 2 else (False, True)))]
+        for profile, adaptive in runs:
+            result = run_level(profile, args.callers, duration, args.workers, Path(tmp), adaptive)
+            if profile is base and (adaptive or args.hold == "fixed"):
                 anchor = result
             device = device_first_chunk_ms(profile, int(float(result["rows_p99"]) or 1))
             added = float(result["ttfa_p95"]) - device
-            rows.append([profile.name, f"{profile.step_ms(64, 512):.1f}", str(args.callers),
+            rows.append([profile.name, "adaptive" if adaptive else "fixed",
+                         f"{profile.step_ms(64, 512):.1f}", str(args.callers),
                          str(result["calls"]), str(result["errors"]), str(result["gaps"]),
-                         f"{float(result['gap_ms']):.0f}", f"{float(result['ttfa_p50']):.0f}",
+                         f"{float(result['gap_ms']):.0f}",
+                         f"{float(result['gw_engine']):.0f}/{float(result['gw_playout']):.0f}",
+                         f"{float(result['ttfa_p50']):.0f}",
                          f"{float(result['ttfa_p95']):.0f}", f"{device:.0f}", f"{added:.0f}",
                          f"{float(result['lag_p99_ms']):.1f}", f"{float(result['host_ms']):.2f}",
                          f"{float(result['cpu_ms_per_call_s']):.1f}",
                          "withheld" if result["withheld"] else ""])
-    print_table(rows, ["profile (SIMULATED device)", "64-row step ms", "callers", "calls",
-                       "failed", "gaps", "gap ms", "ttfa p50 ms", "p95 ms", "device ms",
+    print_table(rows, ["profile (SIMULATED device)", "start hold", "64-row step ms", "callers",
+                       "calls", "failed", "gaps", "gap ms", "gw engine/playout", "ttfa p50 ms",
+                       "p95 ms", "device ms",
                        "gateway adds ms", "loop lag p99 ms", "host ms/step",
                        "gateway CPU ms/call-s", "note"],
                 f"live callers on a simulated device ({args.duration if not args.quick else 30:.0f}"

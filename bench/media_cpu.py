@@ -76,6 +76,7 @@ def _install_baseline() -> None:
     from pydantic import Field, TypeAdapter, ValidationError
 
     import gateway.app as app_module
+    import gateway.call.frames as call_frames
     import gateway.call.inbound as inbound
     import gateway.call.session as session
     import gateway.twilio.protocol as protocol
@@ -186,12 +187,12 @@ def _install_baseline() -> None:
 
     app_module._detectors = detectors
 
-    def frames(pcm: np.ndarray, codec: Any) -> list[bytes]:  # encoded on every play
+    def frames(self: Any, pcm: np.ndarray, codec: Any) -> list[bytes]:  # encoded every play
         encoded = ulaw_encode(pcm) if codec == "pcmu" else alaw_encode(pcm)
         framer = Framer(codec_silence(codec))
         return framer.push(encoded) + framer.flush()
 
-    session._PROMPT_FRAMES.frames = frames  # type: ignore[method-assign]
+    call_frames.PromptFrames.frames = frames  # type: ignore[method-assign]
     inbound.InboundRate.allow = lambda self, now: True  # type: ignore[method-assign]
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from gateway.audio.condition import LeadingSilenceTrimmer
+from gateway.clock import SystemClock
 from gateway.errors import EngineError
 from gateway.tts.chunking import ChunkPlanner
 from gateway.tts.codec_stream import StreamingCodecDecoder, WindowedCodecDecoder
@@ -574,7 +575,7 @@ class SlotService:
             raise EngineError(str(exc)) from None
         now = time.monotonic()
         stream = SpeechStream(request, asyncio.get_running_loop(), now,
-                              now + self.first_audio_budget_s, time.monotonic)
+                              now + self.first_audio_budget_s, SystemClock())
         with self._cond:
             heapq.heappush(self._heap, (stream.deadline, next(self._seq), stream))
             self._cond.notify()

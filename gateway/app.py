@@ -549,17 +549,19 @@ async def _start_sip(gateway: Gateway, sock: socket.socket | None) -> SipEndpoin
     authenticator = None
     users = settings.sip_user_table
     if users is not None:
-        authenticator = DigestAuthenticator(settings.sip_realm, users, secret=os.urandom(32))
+        authenticator = DigestAuthenticator(settings.sip_realm, users, secret=os.urandom(32),
+                                            clock=gateway.clock)
     config = UasConfig(local_ip=public_ip, local_port=port,
                        allow=settings.sip_allow_networks,
-                       max_calls=settings.max_calls, authenticator=authenticator,
+                       authenticator=authenticator,
                        t1=settings.sip_t1_ms / 1000)
     endpoint = SipEndpoint(gateway.lifecycle, config, metrics=gateway.metrics,
                            rtp_ports=settings.rtp_port_range,
                            answer_delay_s=settings.sip_answer_delay_ms / 1000,
                            rtp_timeout_s=settings.sip_rtp_timeout_s,
                            playout=replace(RTP_PLAYOUT, start_buffer_s=start_buffer_setting(
-                               settings.sip_start_buffer_ms)))
+                               settings.sip_start_buffer_ms),
+                               start_buffer_adapts=settings.start_buffer_adaptive))
     await endpoint.start(host, port, sock=sock)
     return endpoint
 

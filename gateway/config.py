@@ -320,6 +320,12 @@ class Settings(BaseSettings):
         description="Twilio: a live utterance's first frame is held until it would play this "
         "long after the speech stream's own playback origin (the start buffer; -1: no hold).",
     )
+    start_buffer_adaptive: bool = Field(
+        True,
+        description="The start buffer (Twilio's and SIP's) holds a live utterance's first frame "
+        "only as long as the engine's estimate of its next chunk needs: a device far faster "
+        "than real time holds nothing. false: always the full hold.",
+    )
     twilio_idle_timeout_s: float = Field(
         10, ge=0, le=3600,
         description="A Media Stream with no inbound message for this long is dead (Twilio sends "

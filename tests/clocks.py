@@ -5,8 +5,11 @@
   component by hand (the IVR runner, admission, drain, the playout).
 - :class:`LoopClock`: the running event loop's time; with :class:`virtual_time.VirtualTimeLoop`
   it makes a whole gateway, its peers and the test share one virtual time line.
+- :class:`ManualClock`: a :class:`VirtualClock` that a synchronous test sets by hand
+  (``clock.t = 5.0``), or that moves ``step`` seconds on every reading; for components that
+  only read the time (the pacer, the chunk planner, digest nonces, the engine core's thread).
 
-Both implement :class:`gateway.clock.Clock`. :func:`until` polls a condition on loop time
+All implement :class:`gateway.clock.Clock`. :func:`until` polls a condition on loop time
 (virtual on a virtual loop), bounded in real time, for state with no event to wait on.
 """
 
@@ -20,7 +23,7 @@ from typing import TypeVar
 
 from gateway.clock import VirtualClock, wait_for
 
-__all__ = ["LoopClock", "VirtualClock", "until"]
+__all__ = ["LoopClock", "ManualClock", "VirtualClock", "until"]
 
 T = TypeVar("T")
 
@@ -50,6 +53,30 @@ class LoopClock:
 
     def call_later(self, seconds: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
         return self._loop.call_later(max(0.0, seconds), callback)
+
+
+class ManualClock(VirtualClock):
+    """A :class:`gateway.clock.Clock` whose time is :attr:`t`, set by hand without firing
+    timers (a synchronous test has no loop to run them on), or moved ``step`` seconds by every
+    :meth:`now` (a clock that is always late by the time anyone looks)."""
+
+    def __init__(self, t: float = 0.0, *, step: float = 0.0,
+                 wall_start: float = 1_750_000_000.0) -> None:
+        super().__init__(t, wall_start)
+        self.step = step
+
+    @property
+    def t(self) -> float:
+        """The current time (monotonic seconds); assigning moves it (the wall clock with it)."""
+        return self._now
+
+    @t.setter
+    def t(self, value: float) -> None:
+        self._now = value
+
+    def now(self) -> float:
+        self._now += self.step
+        return self._now
 
 
 async def until(predicate: Callable[[], T], timeout: float = 20.0, what: str = "condition",

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import gateway.app as app_module
+import gateway.call.frames as call_frames
 import gateway.call.inbound as inbound
 import gateway.call.session as session
 import gateway.twilio.protocol as protocol
@@ -45,7 +46,7 @@ def test_the_benchmarks_old_per_frame_path_runs_on_todays_modules(
                         (protocol.MediaStreamProtocol, "receive"),
                         (session.Call, "inbound_audio")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
-    monkeypatch.setattr(session._PROMPT_FRAMES, "frames", session._PROMPT_FRAMES.frames)
+    monkeypatch.setattr(call_frames.PromptFrames, "frames", call_frames.PromptFrames.frames)
     _bench(monkeypatch)._install_baseline()
 
     # The old detector: the model on every window, line noise and a loud tone alike.
@@ -70,7 +71,10 @@ def test_the_benchmarks_old_per_frame_path_runs_on_todays_modules(
     assert media.audio == base64.b64decode(payload)
 
     # Prompts encoded on every play; no inbound cap.
-    frames = session._PROMPT_FRAMES.frames(np.zeros(800, np.int16), "pcmu")
+    cache = call_frames.PromptFrames()
+    pcm = np.zeros(800, np.int16)
+    frames = cache.frames(pcm, "pcmu")
     assert len(frames) == 5 and all(len(f) == 160 for f in frames)
+    assert cache.frames(pcm, "pcmu") is not frames and len(cache) == 0
     bucket = inbound.InboundRate(1.0, 1.0)  # one message of burst: the second would be over
     assert bucket.allow(0.0) and bucket.allow(0.0)

@@ -31,6 +31,7 @@ from gateway.call import (
     HangUp,
     Hangup,
     Playout,
+    PromptFrames,
     SpeechStarted,
     TransferTo,
 )
@@ -209,6 +210,43 @@ async def test_start_runs_the_dialog_chosen_for_the_call_and_finish_frees_everyt
                                            {"transport": "sip", "line": "default"}) == 0
     await lifecycle.finish(call, "bye")  # a second finish (BYE retransmitted) is harmless
     assert len(dialogs.hangups) == 1
+
+
+async def test_prompt_frames_are_encoded_once_per_lifecycle_and_shared_by_nothing_else(rig) -> None:  # type: ignore[no-untyped-def]
+    """A prompt two callers hear is encoded once, in the lifecycle's own cache (it once was a
+    module-global cache that every app and test in the process shared)."""
+    clock, lifecycle, _, _ = rig
+    prompt = (3000 * np.sin(np.arange(4000) / 5)).astype(np.int16)
+    first, first_wire = _start(lifecycle, clock, "p1")
+    second, second_wire = _start(lifecycle, clock, "p2")
+    await clock.advance(0)
+    for call in (first, second):
+        call.play(prompt, label="welcome")
+    for _ in range(40):
+        await clock.advance(0.02)
+    assert len(lifecycle.prompt_frames) == 1
+    assert lifecycle.prompt_frames.bytes == 25 * 160  # 500 ms: 25 frames, encoded once
+    heard = [frame for _, frame in first_wire.frames if frame != b"\xff" * 160]
+    assert heard == lifecycle.prompt_frames.frames(prompt, "pcmu")
+    assert [f for _, f in second_wire.frames if f != b"\xff" * 160] == heard
+    elsewhere = PromptFrames()  # another app's lifecycle: nothing of this one's
+    assert len(elsewhere) == 0 and elsewhere.frames(prompt, "pcmu") == heard
+    for call in (first, second):
+        await lifecycle.finish(call, "bye")
+
+
+def test_prompt_frames_evict_the_least_recently_played_within_their_byte_bound() -> None:
+    cache = PromptFrames(max_bytes=10 * 160)
+    a, b, c = (np.full(4 * 160, n, np.int16) for n in (1, 2, 3))  # 4 frames each
+    frames_a = cache.frames(a, "pcmu")
+    cache.frames(b, "pcmu")
+    assert cache.frames(a, "pcmu") is frames_a  # a hit, and a is now the most recent
+    cache.frames(c, "pcmu")  # 12 frames > 10: b, the least recently played, goes
+    assert len(cache) == 2 and cache.bytes == 8 * 160
+    assert cache.frames(a, "pcmu") is frames_a
+    assert cache.frames(a, "pcma") is not frames_a  # per codec
+    too_long = np.zeros(11 * 160, np.int16)
+    assert len(cache.frames(too_long, "pcmu")) == 11 and cache.bytes <= 10 * 160
 
 
 async def test_the_calls_line_named_by_the_dialog_factory_labels_its_metrics(rig) -> None:  # type: ignore[no-untyped-def]
@@ -502,16 +540,16 @@ async def test_a_cached_prompt_is_encoded_once_however_often_it_is_played(
 ) -> None:
     """Encoding a prompt cost 0.1 ms per second of audio on every play (the largest cost of a
     cached-prompt turn); the frames of a prompt are now encoded once per codec."""
-    import gateway.call.session as session
+    import gateway.call.frames as frames
 
     encoded: list[int] = []
-    real = session.ulaw_encode
+    real = frames.ulaw_encode
 
     def counting(pcm: np.ndarray) -> bytes:
         encoded.append(len(pcm))
         return real(pcm)
 
-    monkeypatch.setattr(session, "ulaw_encode", counting)
+    monkeypatch.setattr(frames, "ulaw_encode", counting)
     clock = VirtualClock(start=10.0)
     call = Call("call-menu", FakeTransport(clock), clock, transport_name="sip")
     call.start()

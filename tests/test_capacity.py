@@ -18,6 +18,7 @@ from pathlib import Path
 
 import local_http
 import pytest
+from clocks import until
 from conftest import AUTH_TOKEN, LiveServer, serve
 from sip_peers import run_sipp
 from twilio.request_validator import RequestValidator
@@ -128,6 +129,8 @@ class RingingPhone:
         self._transport: asyncio.DatagramTransport | None = None
         self.port = 0
         self.to_tag: str | None = None
+        #: The first response to the INVITE (:meth:`invite`).
+        self.answer: SipResponse | None = None
 
     async def __aenter__(self) -> RingingPhone:
         loop = asyncio.get_running_loop()
@@ -174,6 +177,7 @@ class RingingPhone:
         self._transport.sendto(self._request("INVITE", "INVITE", sdp), self.target)
         response = await self.response()
         self.to_tag = response.to_tag
+        self.answer = response
         return response.status
 
     def ack(self, status: int) -> None:
@@ -236,3 +240,32 @@ async def test_sip_calls_still_ringing_hold_seats_against_twilio_callers(
 
 # Reservations lapsing and the order of refusal reasons are tested on a virtual clock in
 # tests/test_call_lifecycle.py (a 30 s reservation there costs no real time).
+
+
+async def test_sip_is_admitted_by_the_replicas_one_budget_alone(small: LiveServer) -> None:
+    """One gate: the budget an operator (or the load simulator) sets on the replica's
+    admission is the whole SIP budget. The SIP core once also refused at the
+    ``GATEWAY_MAX_CALLS`` it was started with, so raising the budget at run time still turned
+    the third INVITE away. A refusal is a 486 with Retry-After, counted once."""
+    gateway = small.gateway
+    assert gateway.sip is not None and gateway.sip.local_addr is not None
+    target = gateway.sip.local_addr
+    admission = gateway.admission
+    refused = gateway.metrics.calls_refused.labels("sip", "at_capacity")
+    saved = admission.max_calls
+    admission.max_calls = 3
+    try:
+        async with RingingPhone(target) as one, RingingPhone(target) as two, \
+                RingingPhone(target) as three, RingingPhone(target) as four:
+            assert [await phone.invite() for phone in (one, two, three)] == [100, 100, 100]
+            assert admission.seats("sip") == 3
+            before = refused._value.get()
+            assert await four.invite() == 486
+            assert four.answer is not None and four.answer.headers.get("Retry-After") == "5"
+            four.ack(486)
+            assert refused._value.get() == before + 1
+            for phone in (one, two, three):
+                assert await phone.cancel() == [200, 487]
+        await until(lambda: admission.seats() == 0, timeout=10, what="the seats given back")
+    finally:
+        admission.max_calls = saved

@@ -14,9 +14,10 @@ in random bytes. What is checked, per datagram:
   virtual time): never raises; everything it sends parses as SIP (an answer to a malformed
   request may lack, or repeat the defects of, only the From/To/Call-ID/CSeq its request got
   wrong: RFC 4475 3.1.2.18 wants it answered anyway); a datagram from a disallowed
-  address changes no state and gets at most a stateless 403; active calls never exceed
-  ``max_calls``; the response cache stays under its bound; once every call is hung up and the
-  timers have run out, no dialog, transaction or cached response is left.
+  address changes no state and gets at most a stateless 403; active calls never exceed the
+  budget its admission question enforces (``MAX_CALLS``); the response cache stays under its
+  bound; once every call is hung up and the timers have run out, no dialog, transaction or
+  cached response is left.
 
 ``SIP_FUZZ_CASES`` / ``SIP_FUZZ_SEED`` change the run.
 """
@@ -482,9 +483,8 @@ class UasRun:
                                source)
                 elif roll < 0.95:
                     self.apply(core.reject(effect.key, 503, self.now), data, source)
-        if core.active_calls > core.config.max_calls:
-            self.tally.fail(f"{core.active_calls} active calls > max {core.config.max_calls}",
-                            data)
+        if core.active_calls > MAX_CALLS:
+            self.tally.fail(f"{core.active_calls} active calls > max {MAX_CALLS}", data)
         self.max_dialogs = max(self.max_dialogs, len(core.dialogs))
         self.max_responses = max(self.max_responses, len(core._responses))
 
@@ -623,13 +623,31 @@ def answers_a_malformed_request(response: bytes, request: bytes) -> bool:
     return True
 
 
+#: The budget the fuzzed core's admission question gives it (the gateway's Admission's place).
+MAX_CALLS = 4
+
+
+def _budgeted_core(max_calls: int, config: UasConfig | None = None) -> UasCore:
+    """A core whose admission, like the replica's, refuses once ``max_calls`` calls are up."""
+    core: UasCore | None = None
+
+    def refusal() -> str | None:
+        assert core is not None
+        return "at_capacity" if core.active_calls >= max_calls else None
+
+    if config is None:
+        config = UasConfig(local_ip=GATEWAY[0], local_port=GATEWAY[1], allow=["127.0.0.1/32"],
+                           t1=0.5)
+    core = UasCore(config, admission=refusal)
+    return core
+
+
 def fuzz_uas(cases: int, seed: int, session: int = 2000) -> tuple[Tally, list[UasRun]]:
     rng = random.Random(seed)
     tally = Tally()
     runs: list[UasRun] = []
     while tally.cases < cases:
-        core = UasCore(UasConfig(local_ip=GATEWAY[0], local_port=GATEWAY[1],
-                                 allow=["127.0.0.1/32"], max_calls=4, t1=0.5))
+        core = _budgeted_core(MAX_CALLS)
         run = UasRun(core, tally, rng)
         for _ in range(min(session, cases - tally.cases)):
             tally.cases += 1
@@ -662,8 +680,8 @@ def test_uas_core_takes_100k_hostile_datagrams_with_bounded_state(
     assert calls > CASES // 100
     assert {"incoming", "answered", "dropped", "stranger answered"} <= set(
         tally.accepted) | set(tally.rejected)
-    # Dialogs: the calls (max_calls) plus ended ones waiting out their BYE's transaction.
-    assert max_dialogs <= 4 + 64
+    # Dialogs: the calls (MAX_CALLS) plus ended ones waiting out their BYE's transaction.
+    assert max_dialogs <= MAX_CALLS + 64
     assert max_responses <= uas_module.MAX_CACHED_RESPONSES
 
 
@@ -674,7 +692,8 @@ def test_the_uas_harness_reports_a_stranger_that_gets_state() -> None:
 
     rng = random.Random(SEED)
     tally = Tally()
-    core = UasCore(Leaky(local_ip=GATEWAY[0], local_port=GATEWAY[1], allow=["127.0.0.1/32"]))
+    core = _budgeted_core(MAX_CALLS, Leaky(local_ip=GATEWAY[0], local_port=GATEWAY[1],
+                                           allow=["127.0.0.1/32"]))
     run = UasRun(core, tally, rng)
     for _ in range(3000):
         tally.cases += 1

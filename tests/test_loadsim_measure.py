@@ -7,17 +7,19 @@ call budget warning, the capacity SLO and the price of a million characters.
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import numpy as np
 import pytest
+from clocks import VirtualClock
 
 from gateway.audio.g711 import ulaw_encode
 from gateway.loadsim.cli import capacity_clauses, cost_per_million
 from gateway.loadsim.model import CallRecord, Level, Turn, evaluate
 from gateway.loadsim.runner import budget_warning, redial_delay
 from gateway.loadsim.sip_caller import RtpReceiveLog
-from gateway.loadsim.twilio_caller import Heard
+from gateway.loadsim.twilio_caller import Heard, Ticker
 from gateway.loadsim.twiml import (
     AfterStream,
     Busy,
@@ -27,6 +29,47 @@ from gateway.loadsim.twiml import (
     parse_voice_answer,
 )
 from gateway.sip.rtp import RtpPacket, RtpSender
+
+# --- the simulated callers' 20 ms clock -------------------------------------------------------
+
+
+class _Caller:
+    """Stands in for a TwilioCaller on the ticker: stamps each send; one send may stall."""
+
+    def __init__(self, clock: VirtualClock, stall_at: int = -1, stall_s: float = 0.0) -> None:
+        self.clock, self.stall_at, self.stall_s = clock, stall_at, stall_s
+        self.sent: list[float] = []
+
+    async def send_media(self) -> None:
+        self.sent.append(self.clock.now())
+        if len(self.sent) == self.stall_at:
+            await self.clock.sleep(self.stall_s)  # a socket applying backpressure
+
+
+async def test_the_ticker_sends_on_a_20_ms_grid_and_reanchors_after_a_stall() -> None:
+    clock = VirtualClock(start=50.0)
+    ticker = Ticker(clock=clock)
+    caller = _Caller(clock, stall_at=10, stall_s=0.3)
+    ticker.callers.add(caller)  # type: ignore[arg-type]
+    ticker.start()
+    await asyncio.sleep(0)
+    for _ in range(60):
+        await clock.advance(0.01)
+    await ticker.stop()
+    sent = caller.sent
+    # On the grid, drift-free (by multiplication from the anchor), until the stall ...
+    assert sent[:10] == pytest.approx([50.0 + 0.02 * k for k in range(10)], abs=1e-9)
+    # ... (the 10th send, at 50.18 s, held the loop 300 ms), which is not caught up in a burst
+    # of 14 ticks: the next tick at once, then 20 ms again from there.
+    assert sent[10] == pytest.approx(50.18 + 0.3, abs=1e-9)
+    assert np.diff(sent[10:]) == pytest.approx(0.02, abs=1e-9)
+    assert len(sent) >= 15  # ticks on to the end (50.6 s)
+    assert ticker._pacer.reanchors == 1
+    # Its own lateness is recorded: that tick ran 280 ms after its time (50.20 s), even though
+    # it went out on the new anchor; every other tick on time.
+    assert max(ticker.lateness_ms) == pytest.approx(280.0, abs=1e-6)
+    assert sorted(ticker.lateness_ms)[-2] == pytest.approx(0.0, abs=1e-6)
+
 
 # --- SIP: first audio of the new utterance ----------------------------------------------------
 

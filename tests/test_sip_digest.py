@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from clocks import ManualClock
 
 from gateway.sip.digest import DigestAuthenticator, parse_credentials
 from gateway.sip.message import SipRequest, parse_message
@@ -15,14 +16,9 @@ SECRET = b"0123456789abcdef-server-secret"
 USERS = {"tester": "s3cret", "alice": "wonderland"}
 
 
-class Clock:
-    """A virtual clock (seconds)."""
-
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+def _clock() -> ManualClock:
+    """A virtual clock whose wall time (what nonces carry) is 1,700,000,000 s to start."""
+    return ManualClock(0.0, wall_start=1_700_000_000.0)
 
 
 def invite() -> SipRequest:
@@ -65,14 +61,14 @@ def with_auth(value: str, header: str = "Authorization") -> SipRequest:
 
 @pytest.mark.parametrize("algorithm", ["MD5", "SHA-256"])
 def test_challenge_response_round_trip(algorithm: str) -> None:
-    clock = Clock()
+    clock = _clock()
     auth = DigestAuthenticator("gw.example.com", USERS, SECRET, clock=clock, algorithm=algorithm)
     header, nonce = auth.challenge()
     assert header.startswith('Digest realm="gw.example.com", nonce="')
     assert f"algorithm={algorithm}" in header and 'qop="auth"' in header
     assert "stale" not in header and nonce in header
 
-    clock.now += 10
+    clock.t += 10
     request = with_auth(client_authorization(header, invite(), "tester", "s3cret"))
     assert auth.verify(request) == "tester"
     result = auth.check(request)
@@ -84,7 +80,7 @@ def test_challenge_response_round_trip(algorithm: str) -> None:
 
 
 def test_proxy_authorization_header_name() -> None:
-    auth = DigestAuthenticator("gw", USERS, SECRET, clock=Clock())
+    auth = DigestAuthenticator("gw", USERS, SECRET, clock=_clock())
     header = auth.challenge_header()
     request = with_auth(client_authorization(header, invite(), "tester", "s3cret"),
                         "Proxy-Authorization")
@@ -93,7 +89,7 @@ def test_proxy_authorization_header_name() -> None:
 
 
 def test_wrong_password_unknown_user_and_wrong_uri_are_refused() -> None:
-    auth = DigestAuthenticator("gw", USERS, SECRET, clock=Clock())
+    auth = DigestAuthenticator("gw", USERS, SECRET, clock=_clock())
     header = auth.challenge_header()
     assert auth.verify(with_auth(client_authorization(header, invite(), "tester", "nope"))) is None
     result = auth.check(with_auth(client_authorization(header, invite(), "tester", "nope")))
@@ -107,13 +103,13 @@ def test_wrong_password_unknown_user_and_wrong_uri_are_refused() -> None:
 
 
 def test_expired_nonce_is_stale_and_gets_a_stale_challenge() -> None:
-    clock = Clock()
+    clock = _clock()
     auth = DigestAuthenticator("gw", USERS, SECRET, nonce_ttl_s=300, clock=clock)
     header = auth.challenge_header()
     request = with_auth(client_authorization(header, invite(), "tester", "s3cret"))
-    clock.now += 299
+    clock.t += 299
     assert auth.verify(request) == "tester"
-    clock.now += 2  # a replay past the TTL
+    clock.t += 2  # a replay past the TTL
     result = auth.check(request)
     assert result.username is None and result.stale and "expired" in result.reason
     assert auth.verify(request) is None
@@ -125,7 +121,7 @@ def test_expired_nonce_is_stale_and_gets_a_stale_challenge() -> None:
 
 
 def test_tampered_or_foreign_nonce_is_refused() -> None:
-    clock = Clock()
+    clock = _clock()
     auth = DigestAuthenticator("gw", USERS, SECRET, clock=clock)
     header, nonce = auth.challenge()
     stamp, salt, mac = nonce.split(".")
@@ -148,7 +144,7 @@ def test_tampered_or_foreign_nonce_is_refused() -> None:
 
 
 def test_other_realms_and_malformed_credentials() -> None:
-    auth = DigestAuthenticator("gw", USERS, SECRET, clock=Clock())
+    auth = DigestAuthenticator("gw", USERS, SECRET, clock=_clock())
     header = auth.challenge_header()
     request = invite()
     request.headers.add("Authorization", 'Digest username="x", realm="elsewhere", nonce="n", '

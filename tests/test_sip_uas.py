@@ -17,6 +17,7 @@ from gateway.sip.uas import (
     Dropped,
     IncomingCall,
     MediaChanged,
+    Refused,
     SendTo,
     TransferDone,
     UasConfig,
@@ -80,10 +81,30 @@ def in_dialog(
     ).encode()
 
 
-def core(**overrides: object) -> UasCore:
-    values: dict[str, object] = dict(local_ip="127.0.0.1", local_port=5080, max_calls=4)
+class Budget:
+    """The replica's admission as the core asks it (the gateway passes its one Admission's
+    ``refusal``): ``max_calls`` calls, counted here on the core's dialogs; ``draining``."""
+
+    def __init__(self, max_calls: int = 4) -> None:
+        self.max_calls = max_calls
+        self.draining = False
+        self.core: UasCore | None = None
+
+    def refusal(self) -> str | None:
+        if self.draining:
+            return "draining"
+        if self.core is not None and self.core.active_calls >= self.max_calls:
+            return "at_capacity"
+        return None
+
+
+def core(max_calls: int = 4, budget: Budget | None = None, **overrides: object) -> UasCore:
+    values: dict[str, object] = dict(local_ip="127.0.0.1", local_port=5080)
     values.update(overrides)
-    return UasCore(UasConfig(**values))  # type: ignore[arg-type]
+    budget = budget if budget is not None else Budget(max_calls)
+    uas = UasCore(UasConfig(**values), admission=budget.refusal)  # type: ignore[arg-type]
+    budget.core = uas
+    return uas
 
 
 def sent(effects: list[object]) -> list[SipRequest | SipResponse]:
@@ -243,11 +264,34 @@ def test_no_common_codec_is_488() -> None:
 
 
 def test_over_capacity_is_486_and_draining_is_503() -> None:
-    uas = core(max_calls=1)
+    budget = Budget(max_calls=1)
+    uas = core(budget=budget)
     answered(uas)
-    assert statuses(uas.receive(invite(call_id="c2", branch="z9hG4bK-c2"), PEER, 1.0)) == [486]
-    uas.draining = True
-    assert statuses(uas.receive(invite(call_id="c3", branch="z9hG4bK-c3"), PEER, 1.0)) == [503]
+    effects = uas.receive(invite(call_id="c2", branch="z9hG4bK-c2"), PEER, 1.0)
+    assert statuses(effects) == [486]
+    assert sent(effects)[0].headers.get("Retry-After") == "5"
+    assert [e.reason for e in effects if isinstance(e, Refused)] == ["at_capacity"]
+    budget.draining = True
+    effects = uas.receive(invite(call_id="c3", branch="z9hG4bK-c3"), PEER, 1.0)
+    assert statuses(effects) == [503]
+    assert sent(effects)[0].headers.get("Retry-After") == "30"
+    assert [e.reason for e in effects if isinstance(e, Refused)] == ["draining"]
+
+
+def test_the_core_refuses_only_on_the_admissions_word() -> None:
+    """One gate: the core counts no calls of its own (it once also refused at a
+    ``UasConfig.max_calls`` the replica's admission did not know about)."""
+    uas = UasCore(UasConfig(local_ip="127.0.0.1", local_port=5080))  # nobody to ask: welcome
+    for n in range(12):
+        answered(uas, call_id=f"c{n}", branch=f"z9hG4bK-c{n}")
+    assert uas.active_calls == 12
+    budget = Budget(max_calls=20)
+    roomy = core(budget=budget)
+    for n in range(12):
+        answered(roomy, call_id=f"c{n}", branch=f"z9hG4bK-c{n}")
+    budget.max_calls = 12  # the operator lowered the budget: the next INVITE is refused
+    effects = roomy.receive(invite(call_id="c12", branch="z9hG4bK-c12"), PEER, 1.0)
+    assert statuses(effects) == [486]
 
 
 def test_disallowed_source_gets_403_and_no_state() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from clocks import ManualClock
 
 from gateway.errors import EngineError
 from gateway.metrics import Metrics
@@ -376,14 +377,7 @@ async def test_prefill_runs_whole_when_nobody_is_playing_and_chunk_by_chunk_when
     every chunk late by the time anyone looks (lead < 0): then a newcomer's prefill gets one
     chunk per step. With nobody playing, all its chunks run before the first step."""
 
-    class Ticking:
-        now = 0.0
-
-        def __call__(self) -> float:
-            self.now += 1.0
-            return self.now
-
-    fast_clock = Ticking()
+    fast_clock = ManualClock(0.0, step=1.0)
     engine = _Recorder(shared, max_rows=4, trim_leading_silence=False, prefill_chunk=8)
     service = service_factory(engine, clock=fast_clock, ahead_high_s=1e6, ahead_low_s=1e6)
     playing = service.stream(_request("Already playing for a long time.", 120))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from gateway.clock import SystemClock
 from gateway.errors import EngineError
 from gateway.tts.batched import BatchedQwenEngine
 from gateway.tts.codec_stream import StreamingCodecDecoder, WindowedCodecDecoder
@@ -204,7 +205,7 @@ async def test_gaps_are_counted_when_a_chunk_arrives_after_playback_ran_out(
     assert stream.audio_s == pytest.approx(played_s)
     # The playback model itself: a chunk 1 s late after 80 ms of audio is one gap of ~0.92 s.
     probe = SpeechStream(SpeechRequest(text="x"), asyncio.get_running_loop(), 0.0, 0.2,
-                         time.monotonic)
+                         SystemClock())
     probe._record_chunk(SAMPLES_PER_FRAME, 10.0)
     probe._record_chunk(SAMPLES_PER_FRAME, 11.0)
     assert probe.gaps == 1 and probe.gap_s == pytest.approx(0.92)

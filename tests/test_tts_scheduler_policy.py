@@ -273,6 +273,23 @@ def test_measured_costs_are_moving_averages_and_steps_are_looked_up_by_bucket() 
     assert scheduler.costs.prefill_s_per_token is None
 
 
+def test_the_next_chunk_estimate_is_the_frames_at_the_measured_step_and_a_decode() -> None:
+    """What the start buffer is told (through the stream): nothing before a step and a decode
+    were measured (a zero would drop the hold on a cold engine); then the turn's frames at the
+    step time of the rows running, plus a decode."""
+    scheduler = Scheduler(_config())
+    assert scheduler.next_chunk_eta(2) is None
+    scheduler.stepped(4, 0.01)
+    assert scheduler.next_chunk_eta(2) is None  # no decode measured yet
+    scheduler.decoded(0.005)
+    assert scheduler.next_chunk_eta(2) == pytest.approx(2 * 0.01 + 0.3 * 0.005)
+    scheduler.stepped(16, 0.03)
+    for _ in range(6):  # six rows running: the 16-row bucket's time
+        scheduler.add(_turn(0.0))
+    scheduler.admit(0.0, free_rows=6)
+    assert scheduler.next_chunk_eta(4) == pytest.approx(4 * 0.03 + 0.3 * 0.005)
+
+
 def test_a_restart_forgets_rows_pauses_and_waits() -> None:
     scheduler = Scheduler(_config())
     turn = _playing(2.0)

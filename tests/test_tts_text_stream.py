@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clocks import ManualClock, until
 
 from gateway.errors import EngineError
 from gateway.tts.batched import BatchedQwenEngine, BatchRow
@@ -107,7 +108,7 @@ def test_the_stream_hands_the_engine_whole_words_only() -> None:
     try:
         from gateway.tts.stream import SpeechStream
 
-        stream = SpeechStream(_request("Hello"), loop, 0.0, 0.2, lambda: 0.0)
+        stream = SpeechStream(_request("Hello"), loop, 0.0, 0.2, ManualClock())
         stream.feed(" wor")
         assert stream.take_text() is None  # a word cut short waits
         stream.feed("ld, how")
@@ -116,7 +117,7 @@ def test_the_stream_hands_the_engine_whole_words_only() -> None:
         assert stream.take_text() == (" how are you?", True)
         with pytest.raises(EngineError, match="ended"):
             stream.feed(" more")
-        whole = SpeechStream(SpeechRequest(text="x"), loop, 0.0, 0.2, lambda: 0.0)
+        whole = SpeechStream(SpeechRequest(text="x"), loop, 0.0, 0.2, ManualClock())
         with pytest.raises(EngineError, match="given whole"):
             whole.feed("y")
     finally:
@@ -139,11 +140,16 @@ async def test_a_bot_streaming_slower_than_speech_is_heard_to_the_end_with_under
 
         listener = asyncio.create_task(listen())
         for i, piece in enumerate(PIECES[1:]):
-            await asyncio.sleep(0.15)  # the bot's tokens come slower than frames are made
+            # The bot's next tokens come only once the row has read all it had and sat out
+            # (slower than frames are made, whatever this machine's speed), or once the turn
+            # has its 40 frames (the tiny tokenizer's pieces can be long enough to fill them):
+            # each wait is an underrun counted once, and the turn still ends with every frame.
+            await until(lambda n=i: service.stats.text_underruns > n or listener.done(),
+                        what=f"underrun {i + 1}")
             stream.feed(piece, last=i == len(PIECES) - 2)
         await asyncio.wait_for(listener, 60)
         assert sum(len(c) for c in chunks) == 40 * SAMPLES_PER_FRAME  # type: ignore[arg-type]
-        assert service.stats.text_underruns >= 1
+        assert service.stats.text_underruns >= 2
     finally:
         service.stop()
 

@@ -7,6 +7,8 @@
   :class:`CallTransport` protocol a transport adapter implements.
 - :mod:`gateway.call.playout`: pacing and backpressure of outbound frames, per
   :class:`PlayoutPolicy`.
+- :mod:`gateway.call.frames`: :class:`PromptFrames`, the frames of what calls play, encoded
+  once per lifecycle.
 - :mod:`gateway.call.inactivity`: the inbound-media watchdog.
 - :mod:`gateway.call.inbound`: the cap on a call's inbound media rate.
 - :mod:`gateway.call.admission`, :mod:`gateway.call.registry`: the replica's call budget and
@@ -29,6 +31,7 @@ from gateway.call.events import (
     SpeechStarted,
     TransferTo,
 )
+from gateway.call.frames import PromptFrames
 from gateway.call.inactivity import InactivityWatch
 from gateway.call.inbound import InboundRate
 from gateway.call.lifecycle import CallLifecycle, DetectorFactory, DialogFactory
@@ -68,6 +71,7 @@ __all__ = [
     "PlaybackDone",
     "Playout",
     "PlayoutPolicy",
+    "PromptFrames",
     "Refusal",
     "SpeechDetector",
     "SpeechFailed",

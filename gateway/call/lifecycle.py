@@ -30,6 +30,7 @@ from gateway.aio import cancel_and_wait
 from gateway.audio.condition import Conditioning
 from gateway.call.admission import Admission, Refusal
 from gateway.call.events import Codec, HangUp, Hangup
+from gateway.call.frames import PromptFrames
 from gateway.call.inactivity import InactivityWatch
 from gateway.call.inbound import InboundCap, InboundRate
 from gateway.call.registry import CallRegistry
@@ -71,6 +72,7 @@ class CallLifecycle:
         conditioning: Conditioning | None = None,
         detectors: DetectorFactory | None = None,
         inbound: InboundCap | None = None,
+        prompt_frames: PromptFrames | None = None,
     ) -> None:
         self.admission = admission
         self.registry = registry
@@ -82,6 +84,8 @@ class CallLifecycle:
         self.detectors = detectors
         #: The cap on each call's inbound media rate, the same for every transport.
         self.inbound = inbound if inbound is not None else InboundCap()
+        #: The frames of what calls play, encoded once for every call of this lifecycle.
+        self.prompt_frames = prompt_frames if prompt_frames is not None else PromptFrames()
         self._dialog_tasks: dict[str, asyncio.Task[None]] = {}
 
     # --- admission ----------------------------------------------------------------------------
@@ -134,6 +138,7 @@ class CallLifecycle:
             inactivity_s=inactivity_s,
             watch=watch,
             metrics=self.metrics,
+            prompt_frames=self.prompt_frames,
         )
         call.seat = seat
         call.parameters.update(parameters)

@@ -14,11 +14,11 @@ transports is a :class:`PlayoutPolicy` the adapter declares:
   audio before it has played; an echo moves the playback estimate forward.
 
 Frame ``k`` of a run may be released ``lead_s`` before it is due at ``origin + k * frame_s``:
-deadlines are computed by multiplication from one anchor, so neither sleep overshoot nor float
-summation error accumulates (STYLE.md rule 5; the same rule as :class:`gateway.audio.pacer.Pacer`).
-A stream with keep-alive silence that falls more than ``max_lag_frames`` behind (a stalled event
-loop) re-anchors instead of bursting audio a jitter buffer would drop; one without keep-alive
-re-anchors whenever the far end has played everything it was sent.
+the schedule is a :class:`gateway.audio.pacer.Pacer` (deadlines by multiplication from one
+anchor, so neither sleep overshoot nor float summation error accumulates: STYLE.md rule 5). A
+stream with keep-alive silence that falls more than ``max_lag_frames`` behind (a stalled event
+loop) re-anchors by the pacer's lag rule instead of bursting audio a jitter buffer would drop;
+one without keep-alive re-anchors whenever the far end has played everything it was sent.
 
 Backpressure: at most ``buffer_frames`` frames are buffered here. :meth:`Playout.push` of a
 longer list (a whole cached prompt) queues what fits and waits for the rest until the buffer has
@@ -74,6 +74,7 @@ from typing import Protocol
 
 from gateway.aio import cancel_and_wait
 from gateway.audio.condition import fade_out_frame
+from gateway.audio.pacer import FRAME_S, Pacer
 from gateway.call.events import Codec
 from gateway.clock import Clock
 
@@ -81,7 +82,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FrameSink", "Playout", "PlayoutPolicy", "Speaker", "start_buffer_setting"]
 
-FRAME_S = 0.02
 #: Slack when comparing a clock reading with a deadline computed from it (float rounding).
 _EPS = 1e-6
 #: Silence shorter than this between two frames of an utterance is not counted as an underrun
@@ -116,6 +116,10 @@ class PlayoutPolicy:
     #: would play this long after its source's playback origin. None: no hold (every frame goes
     #: as soon as it is queued, as before the start buffer existed; for comparison).
     start_buffer_s: float | None = None
+    #: The start buffer takes off the lead the engine says its next chunk will leave
+    #: (:attr:`gateway.tts.stream.SpeechStream.next_chunk_eta_s`): a device far faster than
+    #: real time holds nothing. False: the fixed hold, whatever the engine says.
+    start_buffer_adapts: bool = True
     #: The longest a first frame is held, counted from when it was queued (a source whose
     #: origin lies far back, hundreds of ms of trimmed silence, costs at most this).
     max_start_hold_s: float = 0.25
@@ -245,13 +249,12 @@ class Playout:
         self._playing: Speaker | None = None
         self._dry_since: float | None = None
         # RTP: the far end's playback of the utterance going out (its jitter buffer's schedule:
-        # beat k is needed at origin + k frames), and the silence sent since its last audio.
-        self._far_origin = 0.0
-        self._far_beats = 0
+        # beat k is needed at origin + k frames; it slips where a beat came late), and the
+        # silence sent since its last audio.
+        self._far = Pacer(clock, FRAME_S, max_lag_frames=None)
         self._dry_s = 0.0
-        self._origin = 0.0
-        self._released = 0
-        self._anchored = False
+        # The send schedule: the run's anchor and the frames released in it.
+        self._pacer = Pacer(clock, FRAME_S, policy.max_lag_frames)
         # Twilio: where each outstanding mark sits in the current run (frames released before it).
         self._mark_at: dict[str, int] = {}
         self._wake = asyncio.Event()
@@ -362,18 +365,18 @@ class Playout:
             self._wake.set()
             return
         if not self.policy.keepalive:
-            self._anchored = False  # the far end's buffer is empty: the next frame plays now
+            self._pacer.stop()  # the far end's buffer is empty: the next frame plays now
             self._wake.set()
         await self._sink.clear()
 
     def far_end_played(self, name: str) -> None:
         """The far end echoed mark ``name``: everything sent before it has been played."""
         position = self._mark_at.pop(name, None)
-        if position is None or not self._anchored:
+        if position is None or not self._pacer.anchored:
             return
         # Only ever move the estimate forward: a mark says playback is at least this far along
         # (it may have arrived late), so the lead can shrink on it but never grow.
-        self._origin = min(self._origin, self._clock.now() - position * FRAME_S)
+        self._pacer.played_at(position, self._clock.now())
 
     # --- state --------------------------------------------------------------------------------
 
@@ -394,15 +397,16 @@ class Playout:
             if self.policy.keepalive:
                 # We own the stream: it starts again now, the next frame due at once, not where
                 # the schedule before the hold would have put it.
-                self._anchored = False
+                self._pacer.stop()
             self._resumed.set()
             self._wake.set()
 
     def unplayed_s(self) -> float:
         """Seconds released to the far end and not yet played there, as far as we can tell."""
-        if not self._anchored:
+        pacer = self._pacer
+        if not pacer.anchored:
             return 0.0
-        return max(0.0, self._released * FRAME_S - (self._clock.now() - self._origin))
+        return max(0.0, pacer.lead_s(self._clock.now()))
 
     @property
     def idle(self) -> bool:
@@ -431,6 +435,7 @@ class Playout:
     async def _loop(self) -> None:
         policy = self.policy
         clock = self._clock
+        pacer = self._pacer
         while True:
             if self._paused:
                 await self._resumed.wait()
@@ -454,15 +459,14 @@ class Playout:
                 with contextlib.suppress(TimeoutError):
                     await clock.wait_for(self._wake.wait(), hold_until - now)
                 continue
-            played = (now - self._origin) / FRAME_S
-            room = math.floor(played + self._lead_frames + _EPS) + 1 - self._released
+            room = pacer.room(now, self._lead_frames)
             # Batch while the far end has audio to play (fewer messages), but never hold back a
             # short tail: what is buffered now is all there is to send.
             want = 1
-            if self._released > played + _EPS:
+            if pacer.frames > pacer.elapsed(now) + _EPS:
                 want = max(1, min(policy.min_frames_per_send, self.buffered))
             if room < want:
-                due = self._origin + (self._released + want - 1 - self._lead_frames) * FRAME_S
+                due = pacer.due(want - 1, self._lead_frames)
                 if policy.keepalive:
                     await clock.sleep(due - now)  # the next beat; nothing moves it earlier
                 else:
@@ -486,7 +490,7 @@ class Playout:
             elif speaker is not None:
                 self._started(speaker, now)
             await self._sink.send_frames(frames)
-            self._released += len(frames)
+            pacer.sent(len(frames))
             self.frames_released += len(frames)
             if speaker is not None:
                 # Stamped once the transport has taken the frames: what the caller waits for.
@@ -525,16 +529,19 @@ class Playout:
             # The utterance's first frame: the phone plays it a jitter buffer from now.
             self._starting = None
             self._playing = speaker
-            self._far_origin = now + self.policy.far_end_buffer_s
-            self._far_beats, self._dry_s = 1, 0.0
+            far = self._far
+            far.start(now + self.policy.far_end_buffer_s)
+            far.sent(1)
+            self._dry_s = 0.0
             return
         playing = self._playing
         if playing is None:
             return
-        stall = now - (self._far_origin + self._far_beats * FRAME_S)
-        self._far_beats += 1
+        far = self._far
+        stall = now - far.due()
+        far.sent(1)
         if stall > _EPS:
-            self._far_origin += stall  # the phone played nothing meanwhile: its clock slips
+            far.slip(stall)  # the phone played nothing meanwhile: its clock slips
         else:
             stall = 0.0
         if speaker is None:
@@ -556,20 +563,18 @@ class Playout:
         self._dry_s = 0.0
 
     def _anchor(self, now: float) -> None:
-        policy = self.policy
-        if not self._anchored:
-            self._origin, self._released, self._anchored = now, 0, True
+        pacer = self._pacer
+        if not pacer.anchored:
+            pacer.start(now)
             return
-        if policy.keepalive:
-            lag = now - (self._origin + self._released * FRAME_S)
-            if lag > policy.max_lag_frames * FRAME_S:
-                self._origin, self._released = now, 0
-        elif self._released * FRAME_S <= now - self._origin:
+        if self.policy.keepalive:
+            pacer.catch_up(now)
+        elif pacer.lead_s(now) <= 0.0:
             # The far end has played everything: playback restarts with the next frame. Mid-
             # utterance that is an underrun, silent since the last frame finished playing.
             if self._playing is not None and self._dry_since is None:
-                self._dry_since = self._origin + self._released * FRAME_S
-            self._origin, self._released = now, 0
+                self._dry_since = pacer.due()
+            pacer.start(now)
             self._mark_at.clear()  # their positions were in the old run, all played by now
 
     def _take(self, limit: int) -> list[bytes]:
@@ -597,7 +602,7 @@ class Playout:
             self._starting = entry if entry.live else None
         elif isinstance(entry, _Mark):
             if self.policy.far_end_marks:
-                self._mark_at[entry.name] = self._released
+                self._mark_at[entry.name] = self._pacer.frames
                 await self._sink.send_mark(entry.name)
             else:
                 self._on_played(entry.name)

@@ -49,7 +49,6 @@ becoming audio, only audio becoming frames.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -60,8 +59,8 @@ import numpy.typing as npt
 
 from gateway.aio import cancel_and_wait
 from gateway.audio.condition import Conditioning
-from gateway.audio.framer import Framer, PhonePipeline
-from gateway.audio.g711 import alaw_encode, codec_silence, float_to_int16, ulaw_encode
+from gateway.audio.framer import PhonePipeline
+from gateway.audio.g711 import codec_silence, float_to_int16
 from gateway.audio.resample import INPUT_RATE
 from gateway.call.events import (
     CallEvent,
@@ -74,6 +73,7 @@ from gateway.call.events import (
     SpeechPaused,
     SpeechStarted,
 )
+from gateway.call.frames import PromptFrames
 from gateway.call.inactivity import InactivityWatch
 from gateway.call.playout import FRAME_S, FrameSink, Playout, PlayoutPolicy, Speaker
 from gateway.clock import Clock
@@ -323,10 +323,14 @@ class Call:
         inactivity_s: float = 0.0,
         watch: InactivityWatch | None = None,
         metrics: Metrics | None = None,
+        prompt_frames: PromptFrames | None = None,
     ) -> None:
+        """``prompt_frames``: the frames of what calls play, encoded once and shared (the
+        lifecycle's, for every call of the app); None: this call's own."""
         self.call_id = call_id
         self.transport = transport
         self.clock = clock
+        self._prompt_frames = prompt_frames if prompt_frames is not None else PromptFrames()
         self.answered_at = clock.now()
         self.events: asyncio.Queue[CallEvent] = asyncio.Queue(maxsize=MAX_EVENTS)
         #: Events dropped because the dialog had :data:`MAX_EVENTS` unread.
@@ -772,7 +776,7 @@ class Call:
                     pushed = True
                     if not framed:
                         utterance.first_queued_at = clock.now()
-                    if framed == 0:
+                    if framed == 0 and playout.policy.start_buffer_adapts:
                         # A device that makes the next chunk in less than the first one plays
                         # needs none of the start buffer that covers an engine at real time:
                         # the lead it will have to spare when that chunk comes is taken off the
@@ -806,7 +810,7 @@ class Call:
     async def _play(self, utterance: Utterance, pcm: npt.NDArray[np.int16]) -> None:
         pushed = False
         try:
-            frames = _PROMPT_FRAMES.frames(pcm, self.codec)
+            frames = self._prompt_frames.frames(pcm, self.codec)
             self.playout.begin(utterance)
             pushed = True
             await self.playout.push(frames)
@@ -844,46 +848,6 @@ class Call:
         utterance.error = reason
         utterance.failed.set()
         self._post(SpeechFailed(utterance.id, reason, at=self.clock.now()))
-
-
-class _PromptFrames:
-    """G.711 frames of the PCM the call plays (cached prompts, sound files), encoded once per
-    codec: a prompt heard by a thousand callers is not encoded a thousand times (0.1 ms per
-    second of audio, the largest cost of a cached-prompt turn).
-
-    Keyed by the array itself (the prompt cache and the sound table hand out the same array
-    each time): an entry holds a reference to it, so its id cannot be reused while cached.
-    Least recently used first out, bounded by the frames' bytes.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._entries: collections.OrderedDict[
-            tuple[int, Codec], tuple[npt.NDArray[np.int16], list[bytes]]] = (
-                collections.OrderedDict())
-
-    def frames(self, pcm: npt.NDArray[np.int16], codec: Codec) -> list[bytes]:
-        key = (id(pcm), codec)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0] is pcm:
-            self._entries.move_to_end(key)
-            return entry[1]
-        encoded = ulaw_encode(pcm) if codec == "pcmu" else alaw_encode(pcm)
-        framer = Framer(codec_silence(codec))
-        frames = framer.push(encoded) + framer.flush()
-        size = len(frames) * 160
-        if size <= self.max_bytes:
-            self._entries[key] = (pcm, frames)
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, (_, evicted) = self._entries.popitem(last=False)
-                self.bytes -= len(evicted) * 160
-        return frames
-
-
-#: 32 MiB of frames: an hour of distinct prompts per codec.
-_PROMPT_FRAMES = _PromptFrames(32 * 1024 * 1024)
 
 
 #: What drives a call once it is up: the IVR runner, or the first-call greeter.

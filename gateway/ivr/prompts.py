@@ -188,7 +188,7 @@ async def render_missing(
         t0 = time.monotonic()
         # The scheduler serves the earliest deadline first: a background render's deadline
         # is BACKGROUND_DEFER_S later than that of a caller's turn submitted at the same time.
-        stream = (speech.stream(request, turn_started_at=speech.clock() + BACKGROUND_DEFER_S)
+        stream = (speech.stream(request, turn_started_at=speech.clock.now() + BACKGROUND_DEFER_S)
                   if background else speech.stream(request))
         chunks = [chunk async for chunk in stream]
         render_s = time.monotonic() - t0

@@ -10,8 +10,9 @@ Twilio's side of an inbound call, as the gateway sees it:
 2. **Stream**: open the ``<Stream>`` URL it names (the upgrade signed over that wss:// URL with
    no parameters), send ``connected`` and ``start`` with the ``<Parameter>``s as
    ``customParameters``, stream 20 ms of caller audio every 20 ms from a shared
-   :class:`Ticker` (one timer for every caller, paced on a monotonic deadline, whose own
-   lateness is measured), send DTMF, echo each ``mark`` when its simulated playback of the audio
+   :class:`Ticker` (one timer for every caller, paced by the gateway's own
+   :class:`~gateway.audio.pacer.Pacer` on a monotonic deadline, whose own lateness is
+   measured), send DTMF, echo each ``mark`` when its simulated playback of the audio
    before it would have finished (at once on ``clear``, as Twilio does), and ``stop``.
 3. **After the stream**: when the gateway ended the stream with the call still up, request the
    ``<Connect action>`` URL and read what it says (a ``<Dial>`` transfer or a hang-up).
@@ -45,6 +46,8 @@ import websockets
 from twilio.request_validator import RequestValidator
 from websockets.asyncio.client import ClientConnection
 
+from gateway.audio.pacer import Pacer
+from gateway.clock import Clock, SystemClock
 from gateway.loadsim.twiml import (
     AfterStream,
     Busy,
@@ -75,12 +78,19 @@ REFUSAL_CLOSE_CODES = frozenset({1013})
 
 
 class Ticker:
-    """One 20 ms clock for every caller of a process; records how late each tick ran."""
+    """One 20 ms clock for every caller of a process; records how late each tick ran.
 
-    def __init__(self, frame_s: float = FRAME_S) -> None:
+    Its schedule is a :class:`~gateway.audio.pacer.Pacer` on ``clock`` (default: real time):
+    ticks due at fixed multiples of ``frame_s``, a short stall caught up, one more than 5 frames
+    behind (a stalled loop) re-anchored instead of bursting the backlog.
+    """
+
+    def __init__(self, frame_s: float = FRAME_S, clock: Clock | None = None) -> None:
         self.frame_s = frame_s
+        self.clock = clock if clock is not None else SystemClock()
         self.callers: set[TwilioCaller] = set()
         self.lateness_ms: list[float] = []
+        self._pacer = Pacer(self.clock, frame_s)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -90,19 +100,11 @@ class Ticker:
         await cancel_and_wait(self._task, log=log, what="loadsim ticker")
 
     async def _run(self) -> None:
-        start = time.monotonic()
-        tick = 0
+        pacer, clock = self._pacer, self.clock
+        pacer.start()
         while True:
-            tick += 1
-            deadline = start + tick * self.frame_s
-            delay = deadline - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            late = time.monotonic() - deadline
-            self.lateness_ms.append(1000 * max(0.0, late))
-            if late > 5 * self.frame_s:
-                # Far behind (a stalled loop): re-anchor instead of bursting the backlog.
-                start, tick = time.monotonic(), 0
+            deadline = await pacer.wait()
+            self.lateness_ms.append(1000 * max(0.0, clock.now() - deadline))
             # Sequential sends: no task per frame (10,000 a second at 200 callers). A caller
             # whose socket applies backpressure delays the tick, and shows up as lateness.
             for caller in list(self.callers):

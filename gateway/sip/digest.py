@@ -5,7 +5,8 @@ RFC 8760 for SHA-256).
 HMAC over it (keyed by a server secret), so any nonce it issued can be checked later without
 remembering it, and expires after ``nonce_ttl_s``. A correct response on an expired nonce is
 reported *stale* (RFC 2617 3.2.1): challenge again with ``stale=true`` and the client retries
-without asking the user. Time comes from the injected ``clock``.
+without asking the user. Time comes from the injected :class:`~gateway.clock.Clock` (its
+wall clock, :meth:`~gateway.clock.Clock.wall`).
 
 Limits: only ``qop=auth`` (no ``auth-int``), no ``-sess`` algorithms; replay of a still-valid
 nonce is not detected (stateless by design; the SIP transaction layer absorbs retransmissions).
@@ -21,10 +22,10 @@ import hashlib
 import hmac
 import re
 import secrets
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gateway.clock import Clock, SystemClock
 from gateway.sip.message import SipRequest
 
 __all__ = ["ALGORITHMS", "DigestAuthenticator", "DigestResult", "parse_credentials"]
@@ -128,8 +129,8 @@ def _algorithm(name: str) -> str | None:
 class DigestAuthenticator:
     """Challenges and verifies SIP digest credentials against a username -> password table.
 
-    ``secret`` keys the nonce HMAC (at least 16 bytes); ``clock`` returns seconds (wall or
-    monotonic, as long as it is the same one for issuing and verifying).
+    ``secret`` keys the nonce HMAC (at least 16 bytes); ``clock``'s wall time stamps nonces and
+    ages them (default: real time).
     """
 
     def __init__(
@@ -138,7 +139,7 @@ class DigestAuthenticator:
         users: Mapping[str, str],
         secret: bytes,
         nonce_ttl_s: float = 300,
-        clock: Callable[[], float] = time.time,
+        clock: Clock | None = None,
         *,
         algorithm: str = "MD5",
     ) -> None:
@@ -153,7 +154,7 @@ class DigestAuthenticator:
         self.nonce_ttl_s = nonce_ttl_s
         self.algorithm = _algorithm(algorithm) or "MD5"
         self._secret = bytes(secret)
-        self._clock = clock
+        self._clock = clock if clock is not None else SystemClock()
 
     # --- nonces -------------------------------------------------------------------------------
 
@@ -163,7 +164,7 @@ class DigestAuthenticator:
 
     def _new_nonce(self, algorithm: str) -> str:
         # <issue time, hex>.<salt>.<HMAC(secret, time.salt.realm.algorithm)>: self-verifying.
-        stamp = f"{int(self._clock()):x}"
+        stamp = f"{int(self._clock.wall()):x}"
         salt = secrets.token_hex(8)
         return f"{stamp}.{salt}.{self._mac(stamp, salt, algorithm)}"
 
@@ -256,7 +257,7 @@ class DigestAuthenticator:
         if not _HEX_RE.fullmatch(response) or not hmac.compare_digest(expected, response):
             return DigestResult(None, reason="wrong response (password or digest)")
 
-        age = self._clock() - issued
+        age = self._clock.wall() - issued
         if age > self.nonce_ttl_s:
             return DigestResult(None, stale=True, reason="nonce expired")
         if age < -self.nonce_ttl_s:

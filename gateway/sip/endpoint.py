@@ -330,8 +330,7 @@ class SipEndpoint:
         self.clock = lifecycle.clock
         self.metrics = metrics
         # The core asks the replica's admission (a pure question) on each INVITE and OPTIONS.
-        config.admission = lifecycle.refusal
-        self.core = UasCore(config)
+        self.core = UasCore(config, admission=lifecycle.refusal)
         self.config = config
         self.rtp_ports = rtp_ports
         self.answer_delay_s = answer_delay_s

@@ -17,7 +17,8 @@ What it does, per RFC 3261 unless noted:
   draining or not ready;
   re-INVITE (hold with a=sendonly/inactive, resume) -> 200 with a mirrored answer (RFC 3264 8);
   unknown methods -> 501; at capacity -> 486 (or 503 with Retry-After while draining or not
-  ready), as the injected admission question (``UasConfig.admission``) says;
+  ready), as the injected admission question says (the replica's one admission: the core
+  counts no calls of its own);
   no common codec -> 488.
 - A request the parser rejects (no Call-ID, a broken header line, SIP/3.0...) gets the
   parser's 400/414/505 with the reason, statelessly, whenever its Via header fields say where
@@ -169,16 +170,11 @@ class UasConfig:
     local_ip: str
     local_port: int
     allow: Sequence[str] = ("127.0.0.0/8",)
-    max_calls: int = 8
     authenticator: DigestAuthenticator | None = None
     codecs: Sequence[str] = ("PCMU", "PCMA")
     user: str = "ivr"
     #: RFC 3261's T1 (RTT estimate): 500 ms on the internet; a private trunk may use less.
     t1: float = T1
-    #: Why a new call would be refused now (the replica's admission, shared by every transport:
-    #: ``draining``/``not_ready`` -> 503, ``at_capacity`` -> 486), or None: welcome. A pure
-    #: question, asked while handling an INVITE or OPTIONS; the core stays free of I/O.
-    admission: Callable[[], str | None] | None = None
 
     def __post_init__(self) -> None:
         self.networks = [ipaddress.ip_network(cidr, strict=False) for cidr in self.allow]
@@ -251,13 +247,21 @@ def _route(dialog: Dialog) -> tuple[str, list[str]]:
     return first.uri, [*routes[1:], f"<{dialog.remote_target}>"]
 
 
+#: Why a new call would be refused now, or None: welcome (``draining``/``not_ready`` -> 503,
+#: ``at_capacity`` -> 486). The gateway passes its one admission's question
+#: (:meth:`gateway.call.admission.Admission.refusal`, shared by every transport).
+AdmissionQuestion = Callable[[], str | None]
+
+
 class UasCore:
     """The SIP state machine of one endpoint (any number of dialogs)."""
 
-    def __init__(self, config: UasConfig) -> None:
+    def __init__(self, config: UasConfig, admission: AdmissionQuestion | None = None) -> None:
+        """``admission`` is asked while handling each INVITE and OPTIONS (a pure question: the
+        core stays free of I/O); None welcomes every call."""
         self.config = config
+        self.admission = admission
         self.dialogs: dict[str, Dialog] = {}
-        self.draining = False
         # Server transactions' last responses, for absorbing retransmitted requests (17.2):
         # (branch, method) -> (expires_at, response bytes, addr).
         self._responses: dict[tuple[str, str], tuple[float, bytes, Addr]] = {}
@@ -269,9 +273,7 @@ class UasCore:
     # --- introspection ------------------------------------------------------------------------
 
     def _refusal(self) -> str | None:
-        if self.draining:
-            return "draining"
-        admission = self.config.admission
+        admission = self.admission
         return admission() if admission is not None else None
 
     @property
@@ -512,7 +514,7 @@ class UasCore:
         if refusal in ("draining", "not_ready"):
             return [self._reply(request, source, 503, f"Service Unavailable ({refusal})",
                                 now=now, headers=[("Retry-After", "30")]), Refused(refusal)]
-        if refusal == "at_capacity" or self.active_calls >= self.config.max_calls:
+        if refusal == "at_capacity":
             return [self._reply(request, source, 486, now=now, headers=[("Retry-After", "5")]),
                     Refused("at_capacity")]
         body_type = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()

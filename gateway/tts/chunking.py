@@ -13,8 +13,9 @@ than real time no chunk size can prevent gaps, and the schedule's size is kept f
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+
+from gateway.clock import Clock, SystemClock
 
 FRAME_S = 0.08
 
@@ -28,27 +29,27 @@ class ChunkPlanner:
         *,
         adaptive: bool = True,
         safety_s: float = 0.02,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
     ) -> None:
         if not schedule or any(n < 1 for n in schedule):
             raise ValueError("schedule needs positive frame counts")
         self.schedule = tuple(schedule)
         self.adaptive = adaptive
         self.safety_s = safety_s
-        self.clock = clock
+        self.clock = clock if clock is not None else SystemClock()
         self._index = 0
         self._frames_done = 0
         self._origin: float | None = None
         # Created when generation starts: the first chunk's cost includes the prefill, which
         # makes the first estimate conservative (the second chunk is the riskiest one).
-        self._last: float | None = clock()
+        self._last: float | None = self.clock.now()
         self._per_frame: float | None = None
 
     def lead_s(self, now: float | None = None) -> float:
         """Audio delivered but not yet played by a listener who started at the first chunk."""
         if self._origin is None:
             return 0.0
-        now = self.clock() if now is None else now
+        now = self.clock.now() if now is None else now
         return self._frames_done * FRAME_S - (now - self._origin)
 
     def next_size(self) -> int:
@@ -65,7 +66,7 @@ class ChunkPlanner:
 
     def chunk_done(self, frames: int) -> None:
         """Record that a chunk of ``frames`` frames has just been handed on."""
-        now = self.clock()
+        now = self.clock.now()
         if self._origin is None:
             self._origin = now
         if self._last is not None and frames > 0:

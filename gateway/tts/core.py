@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
+from gateway.clock import Clock, SystemClock
 from gateway.errors import EngineError
 from gateway.logs import call_context
 from gateway.tts.engine import BatchEngine, EngineRow
@@ -157,11 +158,11 @@ class EngineCore:
     """The thread that owns one :class:`BatchEngine` (see the module docstring)."""
 
     def __init__(self, engine: BatchEngine, index: int, events: CoreEvents,
-                 config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+                 config: SchedulerConfig, clock: Clock | None = None) -> None:
         self.engine = engine
         self.index = index
         self.events = events
-        self.clock = clock
+        self.clock = clock if clock is not None else SystemClock()
         self.scheduler = Scheduler(config)
         #: When the current unit of work (prefill chunk, step, decode) began; None when idle.
         self.beat_at: float | None = None
@@ -256,7 +257,7 @@ class EngineCore:
                 if self.stuck:
                     admission = None
                 else:
-                    admission = scheduler.admit(self.clock(), self.engine.free_rows)
+                    admission = scheduler.admit(self.clock.now(), self.engine.free_rows)
                 if admission is not None and not scheduler.running and not admission.leave \
                         and not admission.dropped:
                     self._outbox.flush()
@@ -297,7 +298,7 @@ class EngineCore:
                     if (scheduler.running and not self._stopping
                             and not any(t.sink.stopping for t in scheduler.running)
                             and not scheduler.work_appeared(self._free_rows())):
-                        cond.wait(timeout=scheduler.idle_timeout(self.clock()))
+                        cond.wait(timeout=scheduler.idle_timeout(self.clock.now()))
         self._shutdown()
 
     def _free_rows(self) -> int:
@@ -356,12 +357,12 @@ class EngineCore:
     def _prefill(self) -> bool:
         """Run the prefill the scheduler plans; True if any ran."""
         scheduler = self.scheduler
-        plan = scheduler.plan_prefill(self.clock())
+        plan = scheduler.plan_prefill(self.clock.now())
         if not plan:
             return False
         if plan.together:
             rows = [row for t in plan.together if (row := _row(t)) is not None]
-            self.beat_at = self.clock()
+            self.beat_at = self.clock.now()
             t0 = time.perf_counter()
             try:
                 tokens = self.engine.prefill_rows(rows)
@@ -369,7 +370,7 @@ class EngineCore:
                 # The one-by-one plan that follows logs the failing turn's traceback.
                 log.warning("tts: prefill of %d turns together failed (%s); trying them one "
                             "by one", len(rows), exc)
-                plan = scheduler.plan_prefill(self.clock(), together=False)
+                plan = scheduler.plan_prefill(self.clock.now(), together=False)
             else:
                 self._prefilled(tokens, time.perf_counter() - t0)
             if self.stuck:
@@ -378,7 +379,7 @@ class EngineCore:
             row = _row(turn)
             if row is None or not row.prefilling or turn.sink.stopping:
                 continue
-            self.beat_at = self.clock()
+            self.beat_at = self.clock.now()
             t0 = time.perf_counter()
             try:
                 with call_context(str(turn.payload.request.tags.get("call", ""))):
@@ -401,7 +402,7 @@ class EngineCore:
     def _step_and_emit(self) -> bool:
         """Plan and run the step, then deliver due chunks; True if anything ran."""
         scheduler = self.scheduler
-        now = self.clock()
+        now = self.clock.now()
         plan = scheduler.plan_step(now)
         self.events.rows_waiting(backpressure=plan.backpressure, urgency=plan.urgency,
                                  prefill=plan.prefilling, text=plan.text)
@@ -451,7 +452,7 @@ class EngineCore:
         if not turns:
             return False
         rows = [row for t in turns if (row := _row(t)) is not None]
-        self.beat_at = self.clock()
+        self.beat_at = self.clock.now()
         t0 = time.perf_counter()
         try:
             audios = self.engine.next_chunks(rows)
@@ -461,20 +462,13 @@ class EngineCore:
             raise _StepFailed(exc) from exc
         elapsed = time.perf_counter() - t0
         delivered = False
-        now = self.clock()
-        costs = self.scheduler.costs
-        # No estimate before a step and a decode were measured: a cold engine's first turn keeps
-        # the whole start buffer rather than trust a zero.
-        step_s = costs.step_for(len(self.scheduler.running)) \
-            if costs.step_s and costs.decode_s > 0 else None
+        now = self.clock.now()
         for turn, audio in zip(turns, audios, strict=True):
             assert turn.row is not None
             if audio is not None:
                 if len(audio):
-                    # When this turn's next chunk should come: its frames at the measured
-                    # step time, then a decode (what the start buffer needs to know).
-                    eta = None if step_s is None else \
-                        turn.row.frames_to_chunk * step_s + costs.decode_s
+                    # With the chunk, when the next one should come (the start buffer's cue).
+                    eta = self.scheduler.next_chunk_eta(turn.row.frames_to_chunk)
                     _out(turn).deliver(audio, now, self._outbox, eta)
                     delivered = True
             if turn.row.finished is not None:

@@ -24,7 +24,8 @@ and tells it what it measured:
    chunks are decoded in: turns waiting for first audio first, then by lead.
 4. :meth:`Scheduler.stepped`, :meth:`Scheduler.prefilled`, :meth:`Scheduler.decoded` -- the
    measured costs the next plans use (moving averages: step seconds per batch bucket, prefill
-   seconds per prompt token, decode seconds per call).
+   seconds per prompt token, decode seconds per call); :meth:`Scheduler.next_chunk_eta` -- when
+   a turn's next chunk should come, for the phone path's start buffer.
 
 What the scheduler reads of a turn is two narrow views, so that it can be driven by values in
 tests: the consumer's side (:class:`TurnSink`: lead, backlog, whether it stopped) and the
@@ -403,6 +404,18 @@ class Scheduler:
     def decoded(self, seconds: float) -> None:
         """A decode call took ``seconds``."""
         self.costs.decode_s = 0.7 * self.costs.decode_s + 0.3 * seconds
+
+    def next_chunk_eta(self, frames_to_chunk: int) -> float | None:
+        """In how many seconds a running turn's next chunk, ``frames_to_chunk`` frames away,
+        should come: its frames at the measured step time for the rows running, then a decode
+        (None before a step and a decode were measured: no estimate beats a zero). The phone
+        path's start buffer reads it off a turn's first chunk, through the turn's stream, which
+        adds what it measured of such estimates' errors (:class:`gateway.tts.stream.EtaMargin`).
+        """
+        costs = self.costs
+        if not costs.step_s or costs.decode_s <= 0:
+            return None
+        return frames_to_chunk * costs.step_for(len(self.running)) + costs.decode_s
 
     # --- waiting ----------------------------------------------------------------------------------
 

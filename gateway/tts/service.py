@@ -34,15 +34,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 
+from gateway.clock import Clock, SystemClock
 from gateway.errors import EngineError
 from gateway.metrics import Metrics
 from gateway.tts.core import EngineCore
 from gateway.tts.engine import BatchEngine, Engine, SpeechRequest
 from gateway.tts.scheduler import SchedulerConfig
-from gateway.tts.stream import ServiceStats, SpeechStream, append_bounded
+from gateway.tts.stream import EtaMargin, ServiceStats, SpeechStream, append_bounded
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class SpeechService:
         ahead_high_s: float = 1.0,
         ahead_low_s: float = 0.5,
         step_timeout_s: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
         max_backlog: int = 2,
     ) -> None:
         if not engines:
@@ -87,8 +87,10 @@ class SpeechService:
         self.ahead_high_s = ahead_high_s
         self.ahead_low_s = ahead_low_s
         self.step_timeout_s = step_timeout_s
-        self.clock = clock
+        self.clock = clock if clock is not None else SystemClock()
         self.stats = ServiceStats()
+        #: What the consumers measured of the cores' next-chunk estimates (the start buffer's).
+        self.eta_margin = EtaMargin()
         self._lock = threading.Lock()
         #: Notified whenever a turn starts or ends or a core enters or leaves rotation.
         self._changed = threading.Condition(self._lock)
@@ -98,7 +100,7 @@ class SpeechService:
             EngineCore(engine, index, self, SchedulerConfig(
                 max_rows=engine.max_rows, prefill_chunk=engine.prefill_chunk,
                 ahead_low_s=ahead_low_s, ahead_high_s=ahead_high_s, max_backlog=max_backlog,
-            ), clock)
+            ), self.clock)
             for index, engine in enumerate(self.engines)
         ]
         self._watchdog: threading.Thread | None = None
@@ -182,10 +184,11 @@ class SpeechService:
             self.engine.validate(request)
         except ValueError as exc:
             raise EngineError(str(exc)) from None
-        now = self.clock()
+        now = self.clock.now()
         turn = turn_started_at if turn_started_at is not None else now
         stream = SpeechStream(
-            request, asyncio.get_running_loop(), turn, turn + self.first_audio_budget_s, self.clock
+            request, asyncio.get_running_loop(), turn, turn + self.first_audio_budget_s, self.clock,
+            self.eta_margin,
         )
         with self._lock:
             # Checked under the lock: a core the watchdog takes out between the check and the
@@ -210,7 +213,7 @@ class SpeechService:
             self.stats.started += 1
             append_bounded(self.stats.start_order,
                            stream.request.tags.get("turn", stream.request.text))
-            stream.started_at = self.clock()
+            stream.started_at = self.clock.now()
             self._changed.notify_all()
         if self.metrics is not None:
             self.metrics.tts_queue_wait.observe(stream.started_at - stream.submitted_at)
@@ -222,7 +225,7 @@ class SpeechService:
         with self._lock:
             self._running.discard(stream)
             if outcome != "dropped":
-                stream.finished_at = self.clock()
+                stream.finished_at = self.clock.now()
             if outcome == "completed":
                 stats.completed += 1
             elif outcome == "failed":
@@ -230,7 +233,7 @@ class SpeechService:
             elif outcome == "cancelled":
                 stats.cancelled += 1
                 if stream._cancelled_at is not None:
-                    freed = time.monotonic() - stream._cancelled_at
+                    freed = self.clock.now() - stream._cancelled_at
                     append_bounded(stats.cancel_to_free_s, freed)
                     if self.metrics is not None:
                         self.metrics.tts_cancel_to_free.observe(freed)
@@ -313,7 +316,7 @@ class SpeechService:
         # Checked a few times per timeout: a trip lands at most a quarter late.
         period = min(0.25, max(0.005, timeout / 4))
         while not self._watchdog_stop.wait(period):
-            now = self.clock()
+            now = self.clock.now()
             for core in self.cores:
                 beat = core.beat_at
                 if beat is not None and not core.stuck and now - beat > timeout:

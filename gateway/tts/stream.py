@@ -9,26 +9,50 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from gateway.clock import Clock
 from gateway.errors import EngineError
 from gateway.tts.engine import SAMPLE_RATE, SpeechRequest
 
 if TYPE_CHECKING:
     from gateway.tts.core import Outbox
 
-__all__ = ["END_OF_STREAM", "ServiceStats", "SpeechStream", "append_bounded"]
+__all__ = ["END_OF_STREAM", "EtaMargin", "ServiceStats", "SpeechStream", "append_bounded"]
 
 #: Put on a stream's queue to end its iteration.
 END_OF_STREAM = object()
 #: Per-turn stats lists keep at most twice this many entries (then the oldest half goes), so a
 #: gateway that runs for months does not grow them without bound.
 _STATS_KEEP = 4096
+
+
+class EtaMargin:
+    """How much later than the engine core said a turn's second chunk reached its consumer:
+    a decaying peak over turns, the margin every estimate a stream hands its consumer carries.
+
+    The core's estimate (:meth:`gateway.tts.scheduler.Scheduler.next_chunk_eta`) knows its own
+    steps and decodes, not the prefills and urgent turns that will come between them, nor how
+    late the event loop will take the chunk (a loaded host). Measured where the consumer gets
+    the chunk, the error covers all of it. One per speech service, read and written on the
+    event loop. A late second chunk widens the margin at once; each on-time one shrinks it by
+    ``decay`` (0.965: twenty halve it).
+    """
+
+    def __init__(self, decay: float = 0.965) -> None:
+        if not 0 <= decay < 1:
+            raise ValueError("decay must be within [0, 1)")
+        self.decay = decay
+        #: Seconds added to every estimate.
+        self.value = 0.0
+
+    def observe(self, late_s: float) -> None:
+        """A second chunk came ``late_s`` after its estimate (negative: early)."""
+        self.value = max(late_s, self.decay * self.value, 0.0)
 
 
 def append_bounded(entries: list[Any], value: Any) -> None:
@@ -91,12 +115,17 @@ class SpeechStream:
         loop: asyncio.AbstractEventLoop,
         turn_started_at: float,
         deadline: float,
-        clock: Callable[[], float],
+        clock: Clock,
+        margin: EtaMargin | None = None,
     ) -> None:
         self.request = request
+        self._clock = clock
+        self._margin = margin
+        # When the second chunk should reach the consumer (set at the first; None after).
+        self._second_due: float | None = None
         self.turn_started_at = turn_started_at
         self.deadline = deadline
-        self.submitted_at = clock()
+        self.submitted_at = clock.now()
         self.started_at: float | None = None
         self.first_chunk_at: float | None = None
         self.finished_at: float | None = None
@@ -126,10 +155,10 @@ class SpeechStream:
         self._wake: Callable[[], None] | None = None
         #: Each frame's codec ids when the engine records them (tests, benchmarks).
         self.codes: list[Any] = []
-        #: When its next chunk is expected, in seconds after the latest one was handed over
-        #: (the engine core's estimate from its measured step and decode times; None before
-        #: the first chunk). The phone path's start buffer holds a live utterance's first frame
-        #: only as long as that says it must.
+        #: When the next chunk is expected, in seconds after the one just taken (the engine
+        #: core's estimate from its measured step and decode times, plus the service's measured
+        #: margin; None before the first chunk or without an estimate). The phone path's start
+        #: buffer holds a live utterance's first frame only as long as that says it must.
         self.next_chunk_eta_s: float | None = None
         # Streamed text: what the event loop fed, waiting for the core (a deque: appended on
         # one thread, popped on the other), and a word cut short, held for the next piece.
@@ -176,7 +205,7 @@ class SpeechStream:
     def cancel(self) -> None:
         """Stop generating (idempotent, never blocks; call from the event loop)."""
         if not self._cancel.is_set():
-            self._cancelled_at = time.monotonic()
+            self._cancelled_at = self._clock.now()
             self._cancel.set()
             # Wake a consumer that is waiting for the next chunk.
             self._queue.put_nowait(END_OF_STREAM)
@@ -194,12 +223,25 @@ class SpeechStream:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise EngineError(f"speech generation failed: {item}") from item
-        assert isinstance(item, np.ndarray)
+        assert isinstance(item, _Chunk)
+        self._took(item.eta_s)
         self._consumed += 1
         if self._blocked and self._wake is not None:
             self._blocked = False
             self._wake()
-        return item
+        return item.audio
+
+    def _took(self, eta_s: float | None) -> None:
+        """The consumer takes a chunk whose successor the core expects in ``eta_s``."""
+        now = self._clock.now()
+        if self._second_due is not None:
+            if self._margin is not None:
+                self._margin.observe(now - self._second_due)
+            self._second_due = None
+        elif self._consumed == 0 and eta_s is not None:
+            self._second_due = now + eta_s
+        margin = self._margin.value if self._margin is not None else 0.0
+        self.next_chunk_eta_s = None if eta_s is None else eta_s + margin
 
     async def aclose(self) -> None:
         self.cancel()
@@ -253,11 +295,10 @@ class SpeechStream:
                 next_chunk_eta_s: float | None = None) -> None:
         """Hand over one chunk (it reaches the consumer at the outbox's next flush), with the
         core's estimate of how long the next one will take."""
-        if next_chunk_eta_s is not None:
-            self.next_chunk_eta_s = next_chunk_eta_s
         self._record_chunk(len(audio), now)
         self._produced += 1
-        outbox.post(self._loop, self._queue.put_nowait, audio, self._cancel.set)
+        outbox.post(self._loop, self._queue.put_nowait, _Chunk(audio, next_chunk_eta_s),
+                    self._cancel.set)
 
     def end(self, outbox: Outbox) -> None:
         """The turn is complete: iteration ends after its last chunk."""
@@ -284,7 +325,7 @@ class SpeechStream:
     def cancel_from_core(self) -> None:
         """The core (or the service) stops the turn: its consumer's iteration ends."""
         if not self._cancel.is_set():
-            self._cancelled_at = time.monotonic()
+            self._cancelled_at = self._clock.now()
             self._cancel.set()
             self._put(END_OF_STREAM)
 
@@ -315,6 +356,13 @@ class SpeechStream:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self._cancel.set()
+
+
+class _Chunk(NamedTuple):
+    """A chunk on its way to the consumer, with the core's estimate of the next one."""
+
+    audio: np.ndarray
+    eta_s: float | None
 
 
 def _set_event(event: asyncio.Event) -> None:

@@ -96,6 +96,7 @@ class TwilioConfig:
     frames_per_message: int = 50
     #: The start buffer of a live utterance (:mod:`gateway.call.playout`); None: no hold.
     start_buffer_s: float | None = 0.02
+    start_buffer_adapts: bool = True
     #: How long the voice webhook holds a seat for a stream that has not connected yet (Twilio
     #: connects within a second or two; a call that never streams gives its seat back). 0: none.
     reservation_s: float = 5.0
@@ -115,6 +116,7 @@ class TwilioConfig:
             max_lead_s=settings.twilio_max_lead_ms / 1000,
             frames_per_message=settings.frames_per_message,
             start_buffer_s=start_buffer_setting(settings.twilio_start_buffer_ms),
+            start_buffer_adapts=settings.start_buffer_adaptive,
             reservation_s=settings.twilio_reservation_s,
             busy_message=settings.busy_message,
             after_stream_hops=AFTER_STREAM_HOPS if settings.twilio_account_sid else 0,
@@ -136,6 +138,7 @@ class TwilioConfig:
             far_end_marks=True,
             fade_on_interrupt=False,
             start_buffer_s=self.start_buffer_s,
+            start_buffer_adapts=self.start_buffer_adapts,
         )
 
 
