@@ -12,9 +12,9 @@ ConversationRelay-compatible WebSocket, one line per way of speaking the bot's t
 
 The bot is in this process (a websockets server): on each key it "generates" a 158-character
 answer (:data:`ANSWER`) at ``--token-rate`` tokens a second (tokens of at most 4 characters,
-an English LLM's) and records when its first token came. The callers are the load simulator's SIP phones, also in this
-process, so the caller's first audio (the first speech packet after the key) and the bot's first
-token are on one clock. Measured:
+an English LLM's) and records when its first token came. The callers are the load simulator's
+SIP phones, also in this process, so the caller's first audio (the first speech packet after
+the key) and the bot's first token are on one clock. Measured:
 
 1. **The bot's first token -> the caller's first audio**, for the three ways, at 1, 4 and 8
    concurrent agent calls, on each engine. The ratio ``stream / whole`` (and ``stream /
@@ -58,6 +58,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gateway.audio.pacer import Pacer  # noqa: E402
+from gateway.clock import SystemClock  # noqa: E402
 from gateway.loadsim.agent import tokens  # noqa: E402
 
 #: The bot's answer: a first sentence of 109 characters (35 tokens: 0.9 s of an LLM at 40
@@ -181,10 +183,11 @@ class BenchBot:
             await asyncio.sleep(max(0.0, start + (len(pieces) - 1) / rate - time.monotonic()))
             await ws.send(json.dumps({"type": "text", "token": self.answer, "last": True}))
             return
+        # Token i at start + i / rate (the simulator's agent bot keeps its rate the same way).
+        pacer = Pacer(SystemClock(), frame_s=1.0 / rate, max_lag_frames=None)
+        pacer.start(start)
         for i, piece in enumerate(pieces):
-            wait = start + i / rate - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            await pacer.wait()
             await ws.send(json.dumps({"type": "text", "token": piece,
                                       "last": i == len(pieces) - 1}))
 

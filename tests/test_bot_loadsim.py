@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import AUTH_TOKEN, LiveServer, serve
 
+from gateway.clock import VirtualClock
 from gateway.loadsim.agent import AgentBot, tokens
 from gateway.loadsim.runner import LoadConfig, run_level
 
@@ -44,19 +44,33 @@ def test_an_llm_streams_words_a_few_characters_at_a_time() -> None:
     assert "".join(tokens(ANSWER * 3)) == ANSWER * 3
 
 
-async def test_the_bot_keeps_its_token_rate() -> None:
+async def test_the_bot_keeps_its_token_rate_on_its_clock_and_catches_up_a_stalled_send() -> None:
+    clock = VirtualClock(100.0)
     sent: list[float] = []
 
     class Ws:
         async def send(self, data: str) -> None:
-            sent.append(time.monotonic())
+            sent.append(clock.now())
+            if len(sent) == 3:
+                await clock.sleep(0.1)  # a send that stalls for five tokens' time
 
-    bot = AgentBot(port=0, rate=50, answer="one two three four five six seven")
+    bot = AgentBot(port=0, rate=50, answer="one two three four five six seven", delay_s=0.5,
+                   clock=clock)
     call = bot._call("CA1")
-    await bot._answer(Ws(), call)
-    assert len(sent) == len(tokens(bot.answer))
-    assert sent[-1] - sent[0] == pytest.approx((len(sent) - 1) / 50, abs=0.05)
-    assert bot.first_token("CA1", 1) == pytest.approx(sent[0], abs=0.01)
+    answering = asyncio.create_task(bot._answer(Ws(), call))
+    while not answering.done():
+        deadline = clock.next_deadline()
+        await clock.advance(0.0 if deadline is None else deadline - clock.now())
+    await answering
+    count = len(tokens(bot.answer))
+    assert len(sent) == count
+    # Token i is due at the first one's time + i / 50 s; those due during the stall go at
+    # once when it ends, and the rest keep the schedule (no drift from the late sends).
+    first = 100.5
+    assert sent[:3] == pytest.approx([first, first + 0.02, first + 0.04])
+    assert sent[3:8] == pytest.approx([first + 0.14] * 5)
+    assert sent[8:] == pytest.approx([first + i / 50 for i in range(8, count)])
+    assert bot.first_token("CA1", 1) == pytest.approx(first)
     assert bot.first_token("CA1", 2) is None
 
 

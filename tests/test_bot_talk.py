@@ -12,6 +12,7 @@ import re
 
 import numpy as np
 import pytest
+from clocks import ManualClock
 
 from gateway.bot.talk import CHARS_PER_S, Segment, TalkStream, heard_text
 from gateway.bot.text import Piece, TextFeed
@@ -29,7 +30,7 @@ class StandInTurn:
 
     def __init__(self, text: str, streaming: bool, chunks: int = 4) -> None:
         self.stream = SpeechStream(SpeechRequest(text=text, text_stream=streaming),
-                                   asyncio.get_running_loop(), 0.0, 0.2, lambda: 0.0)
+                                   asyncio.get_running_loop(), 0.0, 0.2, ManualClock())
         self.text = text
         self.fed: list[tuple[str, bool]] = []
         self.complete = asyncio.Event()

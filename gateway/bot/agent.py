@@ -20,7 +20,8 @@ on at the node's ``next``) or fails (the script's error path):
   (:meth:`TalkStream.heard <gateway.bot.talk.TalkStream.heard>`). Queued talks are dropped, and
   so are the interrupted answer's tokens still on their way (the bot's LLM goes on writing
   until it reads ``interrupt``) up to the answer's ``last`` or the caller's next input to the
-  bot (a ``prompt``, or the interrupting key's ``dtmf``: whatever comes after may answer it). Speech the caller makes over a talk that speech cannot interrupt is not sent
+  bot (a ``prompt``, or the interrupting key's ``dtmf``: whatever comes after may answer it).
+  Speech the caller makes over a talk that speech cannot interrupt is not sent
   (ConversationRelay's ``reportInputDuringAgentSpeech: none``).
 - **Preemption.** A new talk stops a playing talk marked ``preemptible`` and replaces those
   queued (the bot's "let me check..." gives way to the answer); no ``interrupt`` is sent.

@@ -18,10 +18,11 @@ import asyncio
 import json
 import logging
 import re
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from gateway.audio.pacer import Pacer
+from gateway.clock import Clock, SystemClock
 
 __all__ = ["DEFAULT_ANSWER", "AgentBot", "tokens"]
 
@@ -44,7 +45,8 @@ def tokens(text: str) -> list[str]:
 
 @dataclass
 class _Call:
-    #: When the first token of each answer went out (the simulator's monotonic clock).
+    #: When the first token of each answer went out (the bot's clock: the simulator's
+    #: monotonic time, which its callers stamp their audio on).
     first_tokens: list[float] = field(default_factory=list)
     answered: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -54,7 +56,7 @@ class AgentBot:
 
     def __init__(self, *, port: int, rate: float, answer: str = DEFAULT_ANSWER,
                  delay_s: float = 0.0, host: str = "0.0.0.0",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock | None = None) -> None:
         if rate <= 0:
             raise ValueError("the token rate must be positive")
         self.host = host
@@ -62,7 +64,7 @@ class AgentBot:
         self.rate = rate
         self.answer = answer
         self.delay_s = delay_s
-        self.clock = clock
+        self.clock: Clock = clock or SystemClock()
         self._calls: dict[str, _Call] = {}
         self._server: Any = None
         #: Sessions and messages seen (a simulator with a gateway that never connects says so).
@@ -117,15 +119,16 @@ class AgentBot:
 
     async def _answer(self, ws: Any, call: _Call) -> None:
         if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+            await self.clock.sleep(self.delay_s)
         pieces = tokens(self.answer)
-        step = 1.0 / self.rate
-        start = self.clock()
-        call.first_tokens.append(start)
+        # Token i is due at first + i / rate, so the rate holds however late a send wakes; a
+        # send that stalls is caught up at once (never re-anchored: an LLM's tokens that queued
+        # up meanwhile arrive together), as the gateway would see them.
+        pacer = Pacer(self.clock, frame_s=1.0 / self.rate, max_lag_frames=None)
+        pacer.start()
         for i, piece in enumerate(pieces):
-            # Paced against the first token's time: the rate holds however late a send wakes.
-            wait = start + i * step - self.clock()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            due = await pacer.wait()
+            if i == 0:
+                call.first_tokens.append(due)
             await ws.send(json.dumps({"type": "text", "token": piece,
                                       "last": i == len(pieces) - 1}))
