@@ -30,8 +30,12 @@ the key) and the bot's first token are on one clock. Measured:
    sentence alone; the words laid end to end give each word's end), cut at every 100 ms: the
    words reported against the words whose audio had ended, for a finished answer (its audio's
    length known) and for one still being generated (read at the usual pace).
+5. **Text slower than the talker reads it** (:func:`slow_text`, in this process, virtual time):
+   the answer's text arriving at multiples of the rate the talker reads it (one text token an
+   80 ms frame), released as the bot path releases it: the text underruns, the silence the
+   caller hears, and that the codes are those of the text given whole.
 
-    .venv/bin/python bench/bot_relay.py                 # everything (~6 minutes here)
+    .venv/bin/python bench/bot_relay.py                 # everything (~8 minutes here)
     .venv/bin/python bench/bot_relay.py --quick         # 1 and 4 calls, fewer rounds
     .venv/bin/python bench/bot_relay.py --engines simulated --levels 1,4,8,16
 """
@@ -329,9 +333,22 @@ async def round_trip(gateway: Gateway, bot: BenchBot, turns: int) -> list[tuple[
 # --- 3. interrupts -------------------------------------------------------------------------------
 
 
+def _speech_ms(phone: Any, start: float, end: float) -> float:
+    """Milliseconds of audio the phone received in [start, end) that was not digital silence:
+    the answer as heard, without the idle fill a slow engine's gaps are padded with (the
+    gateway reports the answer's frames, not the time it took)."""
+    from bisect import bisect_left
+
+    rtp = phone.rtp
+    lo, hi = bisect_left(rtp.arrivals, start), bisect_left(rtp.arrivals, end)
+    speech = 1  # RtpReceiveLog.kinds: non-silent audio
+    return sum(rtp.sizes[i] for i in range(lo, hi) if rtp.kinds[i] == speech) / 8  # 8 kHz
+
+
 async def interrupts(gateway: Gateway, bot: BenchBot, turns: int
                      ) -> tuple[list[float], list[float], list[float]]:
-    """(key -> silence ms, speech onset -> silence ms, reported - received heard ms)."""
+    """(key -> silence ms, speech onset -> silence ms, reported - received heard ms: the
+    ``durationUntilInterruptMs`` against the answer's audio the phone received)."""
     frames, _ = _speech("wait wait stop")
     lead = 0.2  # phone_line's lead silence before the speech
     phone = await _phone(gateway, NUMBERS["stream"])
@@ -365,7 +382,7 @@ async def interrupts(gateway: Gateway, bot: BenchBot, turns: int
                 await asyncio.sleep(0.01)
             if len(call.interrupts) > seen:
                 reported = float(call.interrupts[-1][1]["durationUntilInterruptMs"])
-                heard_err.append(reported - 1000 * (stopped - start))
+                heard_err.append(reported - _speech_ms(phone, start, stopped))
             await asyncio.sleep(1.0)
     finally:
         await phone.aclose()
@@ -418,6 +435,113 @@ def estimator_accuracy() -> dict[str, list[int]]:
                 said = len(heard_text([segment], float(t)).split())
                 errors["finished" if done else "generating"].append(said - truth)
     return errors
+
+
+# --- 5. text slower than the engine reads it -----------------------------------------------------
+
+#: The bot's text rate as a multiple of the rate the talker reads it (one text token a frame).
+READ_RATIOS = (2.0, 1.1, 0.9, 0.5, 0.25)
+
+
+@dataclass
+class SlowText:
+    ratio: float
+    #: Seconds over which the answer's text arrives.
+    arrives_s: float
+    #: Waits for text (text underruns) of an engine that steps at exactly real time.
+    underruns: int = 0
+    #: The silence the caller hears: the same for any engine at least as fast as real time
+    #: (one that is ahead of playback waits more often, but only text that comes after its
+    #: frame is due is heard).
+    silence_s: float = 0.0
+    same_codes: bool = False
+
+
+def slow_text(ratios: tuple[float, ...] = READ_RATIOS) -> tuple[float, list[SlowText]]:
+    """One streaming turn of :data:`ANSWER` on the tiny model (in this process), its text
+    arriving as the bot path releases it (:class:`gateway.bot.text.TextFeed` over LLM-sized
+    tokens, numbers and dates held until they are whole) at ``ratio`` times the rate the
+    talker reads it. The row needs text token ``f`` for frame ``f``; timed in virtual time, on
+    an engine that steps at exactly real time. The caller plays from the first frame; frame
+    ``f`` is due ``f`` frames later, later by the silence before it. Also checked: the codes
+    are those of the same text given whole (seeded).
+    Returns the seconds the talker takes to read the whole text and a row per ratio."""
+    import torch
+
+    from gateway.bot.text import TextFeed
+    from gateway.text import Reader
+    from gateway.tts.batched import BatchedQwenEngine
+    from gateway.tts.engine import SAMPLE_RATE, SAMPLES_PER_FRAME, SpeechRequest
+    from gateway.tts.qwen import QwenModel, resolve_model
+
+    frame_s = SAMPLES_PER_FRAME / SAMPLE_RATE
+    reader = Reader()
+    spoken = "".join(p.spoken for p in _pieces(TextFeed(reader, "English"), tokens(ANSWER)))
+    engine = BatchedQwenEngine(QwenModel(resolve_model("tiny"), device="cpu"), max_rows=1,
+                               record_codes=True, trim_leading_silence=False)
+
+    def request(text: str, frames: int) -> SpeechRequest:
+        return SpeechRequest(text=text, seed=42, text_stream=True, min_frames=frames,
+                             max_frames=frames)
+
+    with torch.inference_mode():
+        probe = engine.open(request(spoken, 1))
+        text_tokens = probe.text_tokens
+        engine.close(probe)
+        frames = text_tokens + 8  # every text token read, and a few frames past the last
+        whole = engine.open(request(spoken, frames))
+        engine.extend_text(whole, "", True)
+        while whole.prefilling:
+            engine.prefill(whole)
+        while whole.frames < frames and whole.finished is None:
+            engine.step([whole])
+            engine.drop_pending(whole)
+        codes_whole = torch.stack(whole.codes)
+        engine.close(whole)
+        rows = []
+        for ratio in ratios:
+            # The whole answer arrives in the time the talker reads it, over ``ratio``.
+            result = SlowText(ratio, text_tokens * frame_s / ratio)
+            chars_per_s = len(ANSWER) / result.arrives_s
+            arrivals: list[tuple[float, str, bool]] = []  # (when, spoken text, last)
+            feed, at = TextFeed(reader, "English"), 0.0
+            pieces = tokens(ANSWER)
+            for i, token in enumerate(pieces):
+                at += len(token) / chars_per_s
+                last = i == len(pieces) - 1
+                out = feed.push(token) + (feed.finish() if last else [])
+                arrivals += [(at, p.spoken, last and j == len(out) - 1)
+                             for j, p in enumerate(out)]
+                if last and not out:
+                    arrivals.append((at, "", True))
+            start, first, _ = arrivals[0]
+            row = engine.open(request(first, frames))
+            nxt, avail = 1, start
+            made = start - frame_s  # when the engine made its last frame (virtual time)
+            while row.prefilling:
+                engine.prefill(row)
+            while row.frames < frames and row.finished is None:
+                # Frame f needs text token f: the pieces up to it, from when they came.
+                while row.waiting_for_text:
+                    avail = max(avail, arrivals[nxt][0])
+                    engine.extend_text(row, arrivals[nxt][1], arrivals[nxt][2])
+                    nxt += 1
+                if avail > made + frame_s:
+                    result.underruns += 1
+                made = max(made + frame_s, avail)
+                result.silence_s += max(0.0, made - (start + row.frames * frame_s
+                                                     + result.silence_s))
+                engine.step([row])
+                engine.drop_pending(row)
+            result.same_codes = torch.equal(torch.stack(row.codes), codes_whole)
+            engine.close(row)
+            rows.append(result)
+    return text_tokens * frame_s, rows
+
+
+def _pieces(feed: Any, parts: list[str]) -> list[Any]:
+    out = [p for part in parts for p in feed.push(part)]
+    return out + feed.finish()
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -478,6 +602,7 @@ def main() -> None:
             results.append(asyncio.run(run_engine(engine, levels, rounds, args.token_rate,
                                                   work)))
     accuracy = estimator_accuracy()
+    read_s, slow = slow_text((2.0, 0.9, 0.5) if args.quick else READ_RATIOS)
     print()
     print("1. the bot's first token -> the caller's first audio, ms (p50 / p95)")
     print(f"{'engine':10s} {'calls':>5s} " + " ".join(f"{m:>17s}" for m in MODES)
@@ -526,9 +651,18 @@ def main() -> None:
               f"mean {statistics.mean(errs):+.2f} words")
         summary.append(f"{kind} within 1 word {within:.0%}")
     print()
+    print(f"5. the bot's text slower than the talker reads it ({read_s:.1f} s for this answer "
+          "on the tiny model, one text token a frame)")
+    print(f"{'text rate':>10s} {'arrives in':>10s} {'underruns':>9s} {'silence':>8s} "
+          f"{'codes as whole':>14s}")
+    for r in slow:
+        print(f"{r.ratio:9.2f}x {r.arrives_s:9.1f}s {r.underruns:9d} {r.silence_s:7.2f}s "
+              f"{'same' if r.same_codes else 'DIFFERENT':>14s}")
+    print()
     print("RESULT first token -> first audio, stream/whole p50 ratio: "
           + "; ".join(f"{engine} {', '.join(v)}" for engine, v in ratios.items())
-          + "; " + "; ".join(summary))
+          + "; " + "; ".join(summary) + "; text at "
+          + ", ".join(f"{r.ratio:g}x reading: {r.silence_s:.1f} s silent" for r in slow))
 
 
 if __name__ == "__main__":
