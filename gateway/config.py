@@ -295,6 +295,17 @@ class Settings(BaseSettings):
         "`GATEWAY_TWILIO_AUTH_TOKEN`. Unset: outcomes go only through `/twilio/after-stream` (one "
         "replica).",
     )
+    bot_auth_token: SecretStr | None = Field(
+        None,
+        description="Signs the WebSocket handshake to scripts' bots (X-Twilio-Signature, as "
+        "ConversationRelay signs it); default GATEWAY_TWILIO_AUTH_TOKEN, so a bot validating "
+        "with the account's auth token accepts this gateway unchanged.",
+    )
+    bot_ca_file: Path | None = Field(
+        None,
+        description="PEM file of extra CA certificates trusted for wss:// bots (a private CA); "
+        "the system's trust store is trusted as well.",
+    )
     twilio_api_key_sid: str | None = Field(
         None, description="API key (`SK...`) for those updates; with "
         "`GATEWAY_TWILIO_API_KEY_SECRET` (a secret). Unset: the auth token is used."

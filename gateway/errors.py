@@ -20,6 +20,10 @@ or protocol error maps to exactly one protocol outcome, so the I/O shells never 
     - :class:`TextError`: a value that cannot be read as its say-as type (a backend answering
       "N/A" for a date). Never fails an utterance: the sentence reads the value as written, and
       the call logs it once (:mod:`gateway.text`).
+    - :class:`BotError`: the bot a script handed the call to cannot go on (unreachable, silent,
+      gone); the script takes its error path.
+    - :class:`BotMessageError`: one message from a bot that cannot be taken; the bot gets an
+      ``error`` message back, the call goes on.
     - :class:`CallProtocolError`: a transport message that cannot be accepted. It closes *only
       the call it arrived on* with :attr:`CallProtocolError.close_code` and a logged reason.
         - :class:`MessageTooLarge`: over the size limit (WebSocket close 1009).
@@ -112,3 +116,16 @@ class ProtocolViolation(CallProtocolError):
     """A well-formed message that is not allowed in the stream's current state."""
 
     close_code = 1008
+
+
+class BotError(GatewayError):
+    """The bot a script handed the call to (:mod:`gateway.bot`) could not go on: it could not
+    be reached (connection refused, TLS certificate not trusted, handshake refused), it
+    stopped answering, or it closed the socket. The script takes its error path; the call
+    lives."""
+
+
+class BotMessageError(GatewayError):
+    """One message from a bot that cannot be taken (not JSON, unknown type, a field of the
+    wrong type, or not possible on this call). The bot gets an ``error`` message back and the
+    call goes on."""

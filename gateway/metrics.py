@@ -303,6 +303,34 @@ class Metrics:
             "too large): the call went to the node's on_error or the script's error node.",
             ["result"], registry=r,
         )
+        self.bot_sessions = Counter(
+            "gateway_bot_sessions_total",
+            "Calls handed to a bot (ConversationRelay-compatible WebSocket), by how the session "
+            "ended: end (the bot handed the call back), error (unreachable, silent, gone: the "
+            "script's error path), caller (the caller hung up).",
+            ["outcome"], registry=r,
+        )
+        self.bot_messages = Counter(
+            "gateway_bot_messages_total",
+            "Messages exchanged with bots, by direction (in: from the bot) and type.",
+            ["direction", "type"], registry=r,
+        )
+        self.bot_message_errors = Counter(
+            "gateway_bot_message_errors_total",
+            "Bot messages answered with 'error' (malformed, unknown, or not possible on the "
+            "call); the call went on.", registry=r,
+        )
+        self.bot_first_audio = Histogram(
+            "gateway_bot_first_audio_seconds",
+            "From the first token of a bot's answer to its first audio sent to the caller.",
+            buckets=(0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0),
+            registry=r,
+        )
+        self.bot_interrupts = Counter(
+            "gateway_bot_interrupts_total",
+            "Bot answers the caller cut off, by what cut them off (dtmf or speech).",
+            ["by"], registry=r,
+        )
         self.speech_turns = Counter(
             "gateway_speech_turns_total",
             "Caller turns a speech gather heard: result is match, no_match, no_speech or "

@@ -686,6 +686,16 @@ class Call:
         log.info("call %s: %s first audio %.1f ms after the caller's turn", self.call_id,
                  utterance.id, 1000 * latency)
 
+    async def send_digits(self, digits: str) -> bool:
+        """Send keys to the far end out of band where the transport can (SIP: RFC 4733 events,
+        when the caller offered telephone-event); returns once they are sent. False, sending
+        nothing, where it cannot (Twilio's Media Streams carry no keys): the dialog may play
+        them as tones (:func:`gateway.audio.dtmf.dtmf_tones`)."""
+        send = getattr(self.transport, "send_digits", None)
+        if send is None or self.ended:
+            return False
+        return bool(await send(digits))
+
     async def end(self, outcome: CallOutcome) -> None:
         """Finish the call: transfer it or hang up (the transport knows how)."""
         if self.outcome is not None:

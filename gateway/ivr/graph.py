@@ -77,6 +77,11 @@ def _action(node: Node) -> tuple[str, str]:
     if node.webhook is not None:
         sets = f" sets {', '.join(node.webhook.sets)}" if node.webhook.sets else ""
         return f"<b>webhook</b> {_lines(node.webhook.url)}{html.escape(sets)}", _PLAIN
+    if node.bot is not None:
+        sets = f" sets {', '.join(node.bot.sets)}" if node.bot.sets else ""
+        greeting = (f"<br/>“{_lines(node.bot.welcome_greeting)}”"
+                    if node.bot.welcome_greeting else "")
+        return f"<b>bot</b> {_lines(node.bot.url)}{html.escape(sets)}{greeting}", _PLAIN
     if node.branch is not None:
         return "<b>branch</b> on data", _DECISION
     if node.hours is not None:
@@ -146,10 +151,12 @@ def flow_graph(script: Script) -> graphviz.Digraph:
                 label = f"if {label}"
             if node.webhook is not None and edge.kind == "next":
                 label = "ok"
+            if node.bot is not None and edge.kind == "next":
+                label = "end"
             graph.edge(name, edge.target, label=html.escape(label) if label else None, **attrs)
     if script.error is not None and script.error in script.nodes:
         # A node of its own (not a floating label), so the red arrow visibly starts somewhere.
-        graph.node("__error__", label="any failed step\n(speech, webhook)", shape="box",
+        graph.node("__error__", label="any failed step\n(speech, webhook, bot)", shape="box",
                    style="rounded,dashed", color="#c92a2a", fontcolor="#c92a2a",
                    fillcolor="white")
         graph.edge("__error__", script.error, style="dashed", color="#c92a2a")

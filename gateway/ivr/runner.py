@@ -38,6 +38,7 @@ import numpy as np
 
 from gateway.asr.base import MatchStatus, RecognitionResult
 from gateway.asr.grammar import SpeechGrammar
+from gateway.bot.agent import BotConfig, BotSession, CallerLeft
 from gateway.call.events import (
     CallerHungUp,
     CallEvent,
@@ -50,12 +51,13 @@ from gateway.call.events import (
 )
 from gateway.call.session import Call, Utterance
 from gateway.clock import Clock, SystemClock
-from gateway.errors import RecognizerError
+from gateway.errors import BotError, RecognizerError
 from gateway.ivr.cache import PromptCache, PromptKey
 from gateway.ivr.listening import SpeechDecision, SpeechInput, SpeechTurn
 from gateway.ivr.prompts import ResolvedVoice, prompt_key_for, speaker_identity
 from gateway.ivr.script import (
     BUILTIN_VARIABLES,
+    Bot,
     Case,
     Gather,
     Node,
@@ -156,6 +158,9 @@ class RunnerContext:
     #: How the line reads its sentences (say-as types, free text, lexicon); None: the script's
     #: own reading (``GATEWAY_SCRIPT``, the script tester).
     reader: Reader | None = None
+    #: How bot nodes reach their bots (signing token, trust store); None: unsigned, the
+    #: system's trust store.
+    bots: BotConfig | None = None
 
     def key(self, text: str, voice: ScriptVoice | None = None) -> PromptKey:
         """The cache key of ``text`` spoken with ``voice`` (default: the script's)."""
@@ -210,6 +215,7 @@ class IvrRunner:
         self._fell_back: set[str] = set()
         # When the caller's current turn ended (None once an utterance has answered it).
         self._turn_at: float | None = call.answered_at
+        self.bot_session: BotSession | None = None
 
     async def run(self) -> None:
         """Drive the call from ``start`` until it is transferred, hung up, or the caller leaves."""
@@ -261,6 +267,9 @@ class IvrRunner:
             if node.webhook is not None:
                 await self._webhook(name, node.webhook)
                 return node.next
+            if node.bot is not None:
+                await self._bot(name, node.bot)
+                return node.next
             if node.branch is not None:
                 return self._branch(name, node.branch)
             if node.hours is not None:
@@ -301,6 +310,8 @@ class IvrRunner:
         node = self.script.nodes[name]
         if node.webhook is not None and node.webhook.on_error:
             return node.webhook.on_error
+        if node.bot is not None and node.bot.on_error:
+            return node.bot.on_error
         error = self.script.error
         # Never loop on a failing error node.
         return error if error is not None and error != name else None
@@ -710,6 +721,49 @@ class IvrRunner:
                  self.call.call_id, node, r.status.value,
                  entry.said if r.matched else repr(entry.heard), entry.decision_ms,
                  decision.recognitions, "" if decision.recognitions == 1 else "s")
+
+    # --- bot ----------------------------------------------------------------------------------
+
+    async def _bot(self, name: str, bot: Bot) -> None:
+        """Hand the call to the bot until it sends ``end`` (:mod:`gateway.bot`): its handoff
+        data becomes variables; a bot that fails takes the error path."""
+        voice = self.voice
+        speaker = self.ctx.speaker_for(voice)
+        streaming = bot.text_mode == "stream" or (bot.text_mode == "auto" and voice.clone is None)
+
+        def say(item: str, interruptible: bool, turn_at: float | None) -> Utterance | None:
+            spoken_voice = self.script.spoken_voice(item, self.voice)
+            template = self.script.sentence(item, spoken_voice.language)
+            rendering = self.reader.sentence(template, self.variables, spoken_voice.language)
+            if not rendering.spoken.strip():
+                return None
+            self._turn_at = turn_at
+            return self._start_utterance(item, template, rendering.spoken, spoken_voice,
+                                         interruptible)
+
+        session = BotSession(
+            self.call, bot, node=name, speaker=speaker, reader=self.reader,
+            language=voice.language, say=say, config=self.ctx.bots or BotConfig(),
+            clock=self.clock, variables=self.variables, recognizer=self.ctx.recognizer,
+            http=self.ctx.http, metrics=self.ctx.metrics, trace=self.trace,
+            turn_at=self._turn_at, streaming=streaming,
+            call_type="SIP" if self.call.transport_name == "sip" else "PSTN",
+        )
+        self._turn_at = None
+        #: The latest bot session (tests and the benchmark read what it did).
+        self.bot_session = session
+        try:
+            handoff = await session.run()
+        except CallerLeft:
+            raise _CallEnded() from None
+        except BotError as exc:
+            raise _Failed(str(exc), "bot failed") from None
+        for builtin in BUILTIN_VARIABLES:
+            handoff.pop(builtin, None)
+        self.variables.update(handoff)
+        self.trace.choices.append((name, f"bot ended: {', '.join(sorted(handoff)) or 'no data'}"))
+        # The next node answers the bot's hand-back at once: measured from it.
+        self._turn_at = self.clock.now()
 
     # --- webhook ------------------------------------------------------------------------------
 

@@ -480,6 +480,101 @@ class Webhook(BaseModel):
         return value
 
 
+def _interruptible(value: Any) -> Any:
+    """``<ConversationRelay interruptible>``: none, dtmf, speech or any (true/false: any/none)."""
+    if isinstance(value, bool):
+        return "any" if value else "none"
+    return value.lower() if isinstance(value, str) else value
+
+
+#: What may cut the bot off: nothing, keys, speech, or either (ConversationRelay's values).
+Interruptible = Annotated[Literal["none", "dtmf", "speech", "any"],
+                          BeforeValidator(_interruptible)]
+
+
+def _hints(value: Any) -> Any:
+    """``hints``: a list of phrases, or ConversationRelay's comma-separated string."""
+    if isinstance(value, str):
+        return [hint.strip() for hint in value.split(",") if hint.strip()]
+    return value
+
+
+def _bot_url(value: str) -> str:
+    """``wss://`` (certificates checked), or ``ws://`` to this machine only (a bot under
+    development): a caller's words never cross a network in clear text."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    value = expand_env(value)
+    parts = urlsplit(value)
+    if parts.scheme not in ("wss", "ws") or not parts.hostname:
+        raise ValueError(f"'{value}' is not a wss:// URL")
+    if parts.scheme == "ws":
+        host = parts.hostname
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError(f"'{value}': ws:// carries the caller's words in clear text; use "
+                             "wss:// (ws:// is for a bot on this machine: localhost, 127.0.0.1)")
+    return value
+
+
+class Bot(BaseModel):
+    """Hand the call to the company's bot over a ConversationRelay-compatible WebSocket
+    (:mod:`gateway.bot`); the script goes on at ``next`` when the bot sends ``end``.
+
+    Options follow ``<ConversationRelay>``'s where they mean the same (their camelCase names
+    are accepted too): ``welcome_greeting``, ``welcome_greeting_interruptible``,
+    ``interruptible``, ``preemptible``, ``dtmf_detection``, ``hints``, ``language``; the voice
+    is the node's ``voice:`` (or the call's)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    url: Annotated[str, BeforeValidator(lambda v: _bot_url(v) if isinstance(v, str) else v)]
+    #: Said while the gateway connects to the bot (rendered once, cached, like a prompt).
+    welcome_greeting: str | None = Field(None, alias="welcomeGreeting")
+    welcome_greeting_interruptible: Interruptible = Field(
+        "any", alias="welcomeGreetingInterruptible")
+    #: What cuts the bot off by default (a ``text`` or ``play`` may say otherwise).
+    interruptible: Interruptible = "any"
+    #: Whether the bot's answers by default give way to its next one.
+    preemptible: bool = False
+    #: Send the caller's keys to the bot (``dtmf`` messages).
+    dtmf_detection: bool = Field(False, alias="dtmfDetection")
+    #: Words and phrases the recogniser should expect (names, products).
+    hints: Annotated[list[str], BeforeValidator(_hints)] = Field(default_factory=list)
+    #: The conversation's language: a BCP 47 tag (``es-MX``) or a name (``Spanish``); default
+    #: the call's.
+    language: str | None = None
+    #: ``customParameters`` of ``setup`` (values may use the call's ``{variables}``).
+    parameters: dict[str, str] = Field(default_factory=dict)
+    #: ``stream``: the bot's words reach the voice as they arrive; ``sentence``: a sentence at a
+    #: time, once it is complete; ``auto``: stream, but sentences for a cloned voice (its
+    #: prompt holds the whole text).
+    text_mode: Literal["auto", "stream", "sentence"] = "auto"
+    #: How long the bot may take to start answering the caller, or to send its next token.
+    timeout: Seconds = 10.0
+    connect_timeout: Seconds = 5.0
+    #: The caller's silence that ends their turn (then their words go to the bot).
+    end_of_speech: Seconds = 0.8
+    max_speech: Seconds = 30.0
+    #: Script prompts the bot may ``play`` by name (rendered ahead, from the cache).
+    prompts: list[str] = Field(default_factory=list)
+    #: Variables the bot's ``end`` may set (the keys of its ``handoffData`` object the script
+    #: reads; ``handoff_data`` is the handoff data as sent).
+    sets: list[str] = Field(default_factory=list)
+    on_error: str | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not _NAME.match(key):
+                raise ValueError(f"'{key}' is not a parameter name (letters, digits, underscore)")
+        return value
+
+
 class Case(BaseModel):
     """One case of a ``branch``: ``{if: CONDITION, goto: NODE}``, or the last, ``{else: NODE}``.
 
@@ -572,6 +667,8 @@ class Node(BaseModel):
     barge_in: bool = True
     gather: Gather | None = None
     webhook: Webhook | None = None
+    #: Hand the call to a bot until it sends ``end`` (then ``next``).
+    bot: Bot | None = None
     transfer: str | None = None
     hangup: bool | None = None
     #: Conditions on the call's variables, tried in order (see :class:`Case`).
@@ -590,13 +687,15 @@ class Node(BaseModel):
         if len(steps) > 1:
             raise ValueError(f"a node does one thing after speaking; this one has "
                              f"{' and '.join(steps)}: split it into nodes")
-        if steps and steps[0] != "webhook" and self.next is not None:
+        if steps and steps[0] not in ("webhook", "bot") and self.next is not None:
             raise ValueError(f"'next' has no effect after '{steps[0]}'")
         if not steps and self.next is None:
             raise ValueError("this node does not say where the call goes: add 'next', "
                              f"{', '.join(repr(s) for s in STEPS[:-1])} or 'hangup: true'")
         if self.webhook is not None and self.next is None:
             raise ValueError("a webhook node needs 'next' (where to go when it succeeds)")
+        if self.bot is not None and self.next is None:
+            raise ValueError("a bot node needs 'next' (where the call goes when the bot ends)")
         if self.transfer is not None and not (
             _PHONE.match(self.transfer) or _SIP_URI.match(self.transfer)
         ):
@@ -618,6 +717,10 @@ class Node(BaseModel):
                     update[field] = getattr(change, field)
         if self.assign is not None and "language" in self.assign:
             update["language"] = self.assign["language"]
+        if self.bot is not None and self.bot.language is not None:
+            # The bot's conversation (and its greeting) is in its language.
+            update["language"] = bot_language(self.bot.language, languages) or \
+                self.bot.language
         if "language" in update:
             update["language"] = canonical_language(update["language"], languages)
         return voice.model_copy(update=update) if update else voice
@@ -649,6 +752,8 @@ class Node(BaseModel):
             out.append(Edge(self.next, "", "next", ("next",)))
         if self.webhook is not None and self.webhook.on_error is not None:
             out.append(Edge(self.webhook.on_error, "error", "error", ("webhook", "on_error")))
+        if self.bot is not None and self.bot.on_error is not None:
+            out.append(Edge(self.bot.on_error, "error", "error", ("bot", "on_error")))
         return out
 
     def dead_cases(self) -> dict[int, str]:
@@ -679,7 +784,7 @@ class Node(BaseModel):
 
 
 #: What a node does after speaking (exactly one, or 'next').
-STEPS = ("gather", "webhook", "transfer", "branch", "hours", "hangup")
+STEPS = ("gather", "webhook", "bot", "transfer", "branch", "hours", "hangup")
 
 
 class Script(BaseModel):
@@ -737,6 +842,10 @@ class Script(BaseModel):
             grammar = gather.grammar(self.speech_language(gather))
             self._grammars[node] = grammar
         return grammar
+
+    def bot_nodes(self) -> list[str]:
+        """Nodes that hand the call to a bot (they listen to the caller's words too)."""
+        return [name for name, node in self.nodes.items() if node.bot is not None]
 
     def speech_gathers(self) -> list[str]:
         """Nodes whose gather listens for speech."""
@@ -844,12 +953,8 @@ class Script(BaseModel):
 
     def say_items(self) -> Iterator[tuple[str, SayItem]]:
         """``(node name, item)`` for everything any node may say."""
-        for name, node in self.nodes.items():
-            for item in node.say or []:
-                yield name, item
-            if node.gather is not None:
-                for item in (*node.gather.prompt, *node.gather.retry_prompt):
-                    yield name, item
+        for path, item in _say_item_paths(self):
+            yield str(path[1]), item
 
 
 # --- templates --------------------------------------------------------------------------------
@@ -1079,6 +1184,8 @@ def _check_logic(
             if node.webhook.on_error is None and script.error is None:
                 report(pos(*base, "webhook"), f"node '{name}' calls a webhook with nowhere to go "
                                               "if it fails: add 'on_error: <node>'")
+        if node.bot is not None:
+            _check_bot(name, node.bot, script, tree, report, check_node_ref, languages)
         if node.branch is not None:
             dead = node.dead_cases()
             if node.branch[-1].otherwise is None:
@@ -1140,6 +1247,8 @@ def _check_logic(
             settable.add(node.gather.store)
         if node.webhook is not None:
             settable.update(node.webhook.sets)
+        if node.bot is not None:
+            settable.update(node.bot.sets)
         settable.update(node.assign or {})
     _check_languages(script, tree, report, voice_exists, speakers, languages, settable,
                      flow_known=not dangling)
@@ -1181,12 +1290,56 @@ def _check_logic(
             report(_key_position(tree, ("prompts", prompt_name)),
                    f"prompt '{prompt_name}' is never used")
     for name, node in nodes.items():
+        for key, value in (node.bot.parameters if node.bot is not None else {}).items():
+            try:
+                used = template_variables(value)
+            except ValueError as exc:
+                report(pos("nodes", name, "bot", "parameters", key), str(exc))
+                continue
+            for variable in used:
+                if variable not in settable:
+                    report(pos("nodes", name, "bot", "parameters", key),
+                           f"variable '{{{variable}}}' is used but nothing sets it ({_SETTERS})")
+    for name, node in nodes.items():
         if node.webhook is not None and node.webhook.send:
             for variable in node.webhook.send:
                 if variable not in settable:
                     report(pos("nodes", name, "webhook", "send"),
                            f"node '{name}' sends variable '{variable}', which nothing sets")
     _check_reading(script, tree, report, languages)
+
+
+def _check_bot(name: str, bot: Bot, script: Script, tree: _Map,
+               report: Callable[[tuple[int, int], str], None],
+               check_node_ref: Callable[[str | None, tuple[str | int, ...], str], None],
+               languages: set[str]) -> None:
+    """A bot node: where its errors go, the prompts it may play, its language."""
+    base = ("nodes", name, "bot")
+    check_node_ref(bot.on_error, (*base, "on_error"), f"node '{name}' goes on error to")
+    if bot.on_error is None and script.error is None:
+        report(_position(tree, base), f"node '{name}' hands the call to a bot with nowhere to "
+                                      "go if it fails (unreachable, silent, gone): add "
+                                      "'on_error: <node>'")
+    for i, prompt in enumerate(bot.prompts):
+        if prompt not in script.prompts:
+            report(_position(tree, (*base, "prompts", i)),
+                   f"node '{name}' lets its bot play '{prompt}', which is not a prompt "
+                   f"(prompts: {', '.join(sorted(script.prompts)) or 'none'})")
+    if bot.language is not None and bot_language(bot.language, languages) is None:
+        report(_position(tree, (*base, "language")),
+               f"language '{bot.language}' is not one the voice speaks (a BCP 47 tag such as "
+               f"en-US, or one of: {', '.join(sorted(languages))})")
+
+
+def bot_language(value: str, languages: Iterable[str] = LANGUAGES) -> str | None:
+    """A bot's language as the voice names it: ``es-MX`` / ``Spanish`` -> ``Spanish`` (None:
+    not a language the voice speaks)."""
+    known = {known.lower(): known for known in languages}
+    if value.lower() in known:
+        return known[value.lower()]
+    code = language_code(value)
+    name = language_name(code) if code is not None else None
+    return known.get(name.lower()) if name is not None else None
 
 
 def _check_speech(script: Script, tree: _Map, report: Callable[[tuple[int, int], str], None],
@@ -1302,6 +1455,13 @@ def _check_languages(
                            f"node '{name}' lets its webhook set '{variable}', which "
                            + ("changes only with 'set: {language: ...}'" if variable ==
                               "language" else "comes from the call"))
+        if node.bot is not None:
+            for variable in node.bot.sets:
+                if variable in BUILTIN_VARIABLES or not _NAME.match(variable):
+                    report(pos(*base, "bot", "sets"),
+                           f"node '{name}' lets its bot set '{variable}', which "
+                           + ("is not a variable name" if not _NAME.match(variable)
+                              else "comes from the call"))
 
     supported = {language.lower() for language in languages}
     spoken: set[str] = set()
@@ -1492,6 +1652,14 @@ def _say_item_paths(script: Script) -> Iterator[tuple[tuple[str | int, ...], Say
             for field in ("prompt", "retry_prompt"):
                 for i, item in enumerate(getattr(node.gather, field)):
                     yield ("nodes", name, "gather", field, i), item
+        if node.bot is not None:
+            # A bot's greeting is a sentence like any other (rendered ahead when static), and
+            # so are the prompts it may play by name.
+            if node.bot.welcome_greeting is not None:
+                yield ("nodes", name, "bot", "welcome_greeting"), node.bot.welcome_greeting
+            for i, prompt in enumerate(node.bot.prompts):
+                if prompt in script.prompts:  # (one that is not is reported where it is)
+                    yield ("nodes", name, "bot", "prompts", i), prompt
 
 
 def _check_sentence(

@@ -36,6 +36,7 @@ import numpy as np
 
 from gateway.asr.pool import RecognizerPool
 from gateway.audio.condition import Conditioning
+from gateway.bot.agent import BotConfig
 from gateway.call.session import Call, Dialog
 from gateway.clock import Clock
 from gateway.errors import GatewayError
@@ -93,9 +94,11 @@ class VersionBuilder:
         recognizer: RecognizerPool | None = None,
         metrics: Metrics | None = None,
         http: httpx.AsyncClient | None = None,
+        bots: BotConfig | None = None,
     ) -> None:
         """``recognizer``: where speech gathers' turns are recognised (None: keys only).
-        ``http``: the client the calls' webhooks share (None: one per webhook)."""
+        ``http``: the client the calls' webhooks share (None: one per webhook). ``bots``: how
+        bot nodes reach their bots."""
         self.cache = cache
         self.speech = speech
         self.engine = engine
@@ -106,6 +109,7 @@ class VersionBuilder:
         self.recognizer = recognizer
         self.metrics = metrics
         self.http = http
+        self.bots = bots
 
     async def build(self, plan: LinePlan, number: int, *, background: bool = False) -> Version:
         """Check every script against the model, resolve voices and sounds, render the
@@ -142,6 +146,7 @@ class VersionBuilder:
                 sounds=parts.sounds,
                 clones=parts.clones,
                 http=self.http,
+                bots=self.bots,
                 recognizer=self.recognizer,
                 metrics=self.metrics,
                 line=name,
@@ -174,7 +179,8 @@ class VersionBuilder:
         grammars = [(path, name, grammar) for path, script in plan.scripts().items()
                     for name in script.speech_gathers()
                     if (grammar := script.speech_grammar(name)) is not None]
-        if not grammars:
+        bots = [name for script in plan.scripts().values() for name in script.bot_nodes()]
+        if not grammars and not bots:
             return
         t0 = self.clock.now()
         try:

@@ -61,7 +61,9 @@ def _config(target: str, transport: str, scenario: str, digits: str, think: floa
             listen: float, duration: float, workers: int, auth_token: str | None, rate: float,
             ramp_from: int | None, turn_timeout: float, withhold_fraction: float,
             backoff: float, http: str | None, greeting: str | None, to: str | None = None,
-            caller: str | None = None, jitter: float = 0.5, seed: int = 0) -> LoadConfig:
+            caller: str | None = None, jitter: float = 0.5, seed: int = 0,
+            bot_port: int = 8765, token_rate: float = 30.0, answer: str | None = None,
+            bot_delay: float = 0.0) -> LoadConfig:
     require_extra()
     if transport not in ("twilio", "sip"):
         raise GatewayError("--transport must be twilio or sip")
@@ -71,6 +73,12 @@ def _config(target: str, transport: str, scenario: str, digits: str, think: floa
         raise GatewayError("--backoff must be 0 or more seconds")
     if not 0 <= jitter <= 1:
         raise GatewayError("--jitter must be between 0 and 1")
+    if scenario == "agent":
+        if workers != 1:
+            raise GatewayError("--scenario agent runs its bot in the simulator's process, "
+                               "beside its callers: --workers 1")
+        if token_rate <= 0:
+            raise GatewayError("--token-rate must be positive")
     token = auth_token if auth_token is not None else os.environ.get("GATEWAY_TWILIO_AUTH_TOKEN")
     pattern = "rate" if rate > 0 else "ramp" if ramp_from is not None else "concurrency"
     for turn in digits.split(","):
@@ -82,7 +90,8 @@ def _config(target: str, transport: str, scenario: str, digits: str, think: floa
                         pattern=pattern, rate=rate, ramp_from=ramp_from or 1,
                         turn_timeout_s=turn_timeout, withhold_fraction=withhold_fraction,
                         backoff_s=backoff, http=http, greeting=greeting, jitter=jitter,
-                        seed=seed)
+                        seed=seed, bot_port=bot_port, token_rate=token_rate, answer=answer,
+                        bot_delay_s=bot_delay)
     if to:
         config.called = to
     if caller:
@@ -137,6 +146,8 @@ def _speech_check(config: LoadConfig, level: Level) -> str | None:
     total = live + cached
     if total <= 0:
         return None
+    if config.scenario == "agent":
+        return None  # the bot's answers are live, its greeting a cached prompt
     if config.scenario == "live" and cached > 0:
         return (f"x{level.concurrency}: {cached:.0f} of {total:.0f} turns came from the prompt "
                 "cache (gateway_turns_total): this gateway runs a script; measure live speech "
@@ -183,8 +194,16 @@ TargetArg = Annotated[str, typer.Argument(
     help="Gateway: http://host:port (Twilio transport) or host:port of its SIP endpoint.")]
 TransportOpt = Annotated[str, typer.Option(help="twilio or sip.")]
 ScenarioOpt = Annotated[str, typer.Option(
-    help="menu, barge-in, hangup, or live (every turn a live sentence: run it against a "
-         "gateway without --script).")]
+    help="menu, barge-in, hangup, live (every turn a live sentence: run it against a "
+         "gateway without --script), or agent (a bot node: the simulator is the bot, "
+         "streaming --token-rate tokens a second).")]
+BotPortOpt = Annotated[int, typer.Option(
+    help="agent: the port the simulator's bot listens on (the gateway's bot node's URL).")]
+TokenRateOpt = Annotated[float, typer.Option(help="agent: the bot's tokens per second.")]
+AnswerOpt = Annotated[str | None, typer.Option(
+    help="agent: what the bot answers each turn (default: two sentences, 166 characters).")]
+BotDelayOpt = Annotated[float, typer.Option(
+    help="agent: seconds from a caller's key to the bot's first token (an LLM's time).")]
 DigitsOpt = Annotated[str, typer.Option(
     help="Keys per turn, comma-separated, e.g. '1,123456#,3' (live: one key per turn); "
          "say:FILE.wav says that recording instead (e.g. say:agent.wav,3).")]
@@ -220,7 +239,7 @@ def _level(config: LoadConfig, concurrency: int, index: int,
            warnings: list[str]) -> Level:
     _warn(warnings, budget_warning(probe_readyz(config.http_base()), concurrency))
     level = run_level(config, concurrency, index, _progress_printer())
-    level.speech = "live" if config.scenario == "live" else "cached"
+    level.speech = "live" if config.scenario in ("live", "agent") else "cached"
     level.target = config.target
     _console.print()
     _warn(warnings, _speech_check(config, level))
@@ -239,11 +258,13 @@ def run(target: TargetArg, concurrency: Annotated[int, typer.Option(help="Caller
         turn_timeout: TimeoutOpt = 15.0, withhold_fraction: WithholdOpt = 0.25,
         backoff: BackoffOpt = 5.0, http: HttpOpt = None, greeting: GreetingOpt = None,
         to: ToOpt = None, caller: FromOpt = None, jitter: JitterOpt = 0.5,
-        seed: SeedOpt = 0) -> None:
+        seed: SeedOpt = 0, bot_port: BotPortOpt = 8765, token_rate: TokenRateOpt = 30.0,
+        answer: AnswerOpt = None, bot_delay: BotDelayOpt = 0.0) -> None:
     """Run one load level and report what callers felt."""
     config = _config(target, transport, scenario, digits, think, listen, duration, workers,
                      auth_token, rate, ramp_from, turn_timeout, withhold_fraction, backoff,
-                     http, greeting, to, caller, jitter, seed)
+                     http, greeting, to, caller, jitter, seed, bot_port, token_rate, answer,
+                     bot_delay)
     clauses = parse_slo(slo) if slo else None
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
@@ -323,14 +344,17 @@ def capacity(target: TargetArg, slo: Annotated[str, typer.Option(
              turn_timeout: TimeoutOpt = 15.0, withhold_fraction: WithholdOpt = 0.25,
              backoff: BackoffOpt = 5.0, http: HttpOpt = None,
              greeting: GreetingOpt = None, to: ToOpt = None, caller: FromOpt = None,
-             jitter: JitterOpt = 0.5, seed: SeedOpt = 0) -> None:
+             jitter: JitterOpt = 0.5, seed: SeedOpt = 0, bot_port: BotPortOpt = 8765,
+             token_rate: TokenRateOpt = 30.0, answer: AnswerOpt = None,
+             bot_delay: BotDelayOpt = 0.0) -> None:
     """Raise concurrency until the SLO breaks; report the calls per gateway machine that met
     it, for cached speech (TARGET, --scenario) and, with --live, for live speech."""
     if not (step == "x2" or (step.startswith("+") and step[1:].isdigit() and int(step[1:]))):
         raise GatewayError("--step must be x2 or +N")
     config = _config(target, transport, scenario, digits, think, listen, duration, workers,
                      auth_token, 0.0, None, turn_timeout, withhold_fraction, backoff, http,
-                     greeting, to, caller, jitter, seed)
+                     greeting, to, caller, jitter, seed, bot_port, token_rate, answer,
+                     bot_delay)
     clauses = capacity_clauses(slo)
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
@@ -346,7 +370,7 @@ def capacity(target: TargetArg, slo: Annotated[str, typer.Option(
                                      len(levels), warnings)
         levels += found
         verdicts += passed
-        speech = "live" if search_config.scenario == "live" else "cached"
+        speech = "live" if search_config.scenario in ("live", "agent") else "cached"
         at_best = next((lv.summary() for lv in found if lv.concurrency == best), None)
         chars = at_best["characters_per_s"] if at_best else None
         results[speech] = {

@@ -56,6 +56,8 @@ class Turn:
     #: Characters of the live sentence that answered this turn, once heard to its end (the
     #: ``live`` scenario); 0 when unknown or cached.
     chars: int = 0
+    #: ``agent`` scenario: the bot's first token of its answer -> the caller's first audio.
+    token_audio_ms: float | None = None
 
 
 @dataclass
@@ -235,6 +237,8 @@ class Level:
             "jitter_ms": percentiles([c.jitter_ms for c in self.calls if c.jitter_ms is not None]),
             "mos": float(np.mean([m[1] for m in models])) if models else None,
             "r_factor": float(np.mean([m[0] for m in models])) if models else None,
+            "token_audio_ms": percentiles([t.token_audio_ms for c in self.calls
+                                           for t in c.turns if t.token_audio_ms is not None]),
             "characters": characters,
             "characters_per_s": characters / duration if characters and duration else None,
             "gateway": self.gateway,
@@ -252,6 +256,7 @@ _CLAUSE = re.compile(r"^\s*(\w+)\s*(<=|>=|<|>|=)\s*([0-9.]+)\s*(ms|s|%)?\s*$")
 _METRICS = {
     "ttfa_p50": ("ttfa_ms", "p50"), "ttfa_p95": ("ttfa_ms", "p95"),
     "ttfa_p99": ("ttfa_ms", "p99"), "barge_p95": ("barge_in_ms", "p95"),
+    "token_p95": ("token_audio_ms", "p95"),
     "setup_p95": ("setup_ms", "p95"), "gaps": ("gaps", None), "gap_ms": ("gap_ms", None),
     # errors and failed are the same count: calls that broke (refusals are not among them).
     "errors": ("errors", None), "failed": ("errors", None), "timeouts": ("timeouts", None),

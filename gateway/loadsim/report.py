@@ -238,6 +238,8 @@ class _Level:
     lateness: _Pcts
     passed: bool | None
     withheld: str | None
+    #: ``agent`` scenario: the bot's first token -> the caller's first audio (None: not run).
+    token_audio: _Pcts | None = None
 
     @property
     def label(self) -> str:
@@ -282,6 +284,9 @@ class _Level:
             lateness=_Pcts.parse(_mapping(obj, "lateness_ms", path), f"{path}.lateness_ms"),
             passed=_bool(obj, "passed", path),
             withheld=withheld if isinstance(withheld, str) else None,
+            token_audio=(_Pcts.parse(obj["token_audio_ms"], f"{path}.token_audio_ms")
+                         if isinstance(obj.get("token_audio_ms"), Mapping)
+                         and obj["token_audio_ms"].get("p50") is not None else None),
         )
 
 
@@ -938,6 +943,10 @@ def render_summary_table(data: Mapping[str, Any]) -> RenderableType:
             if lv.characters_per_s:
                 parts.append(Text(f"{lv.label}: {lv.characters_per_s:,.1f} characters/s "
                                   "synthesised (live sentences heard whole)"))
+            if lv.token_audio is not None and not lv.withheld:
+                parts.append(Text(f"{lv.label}: the bot's first token -> first audio p50 "
+                                  f"{_fmt(lv.token_audio.p50)} ms, p95 "
+                                  f"{_fmt(lv.token_audio.p95)} ms"))
     captions = []
     if m.slo:
         state = {True: "met", False: "missed", None: "not evaluated"}[m.slo_passed]

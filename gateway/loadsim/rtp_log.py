@@ -47,6 +47,7 @@ from gateway.sip.rtp import (
     PAYLOAD_TYPE_PCMA,
     PAYLOAD_TYPE_PCMU,
     SAMPLES_PER_FRAME,
+    DtmfReceiver,
     RtpError,
     RtpPacket,
     RtpReceiverStats,
@@ -202,6 +203,9 @@ class RtpReceiveLog:
         self._last_audio: tuple[int, int, int, int] | None = None  # ssrc, seq, ts, samples
         self.malformed = 0
         self.rtcp = 0
+        #: Keys the far end sent as RFC 4733 events: (arrival of the first packet, key).
+        self.digits: list[tuple[float, str]] = []
+        self._dtmf = DtmfReceiver(event_pt)
 
     def record(self, data: bytes, source: tuple[str, int], arrival: float) -> None:
         """Log one datagram. Raises :class:`~gateway.sip.rtp.RtpError` (after counting it) if
@@ -230,6 +234,12 @@ class RtpReceiveLog:
             self._last_audio = (packet.ssrc, packet.sequence, packet.timestamp, len(payload))
         elif pt == self.event_pt:
             kind = _EVENT
+            try:
+                digit = self._dtmf.feed(packet)
+            except RtpError:
+                digit = None
+            if digit is not None:
+                self.digits.append((arrival, digit))
         else:
             kind = _OTHER
         key = (source[0], source[1])

@@ -24,6 +24,11 @@ POSTs the voice webhook and opens the Media Stream its TwiML names
   told otherwise), which gives characters synthesised per second; the gateway's own
   ``gateway_turns_total{source}`` (read from /metrics around the level) shows whether the turns
   really were live.
+- ``agent``: the gateway hands the call to a bot, and the bot is the simulator's own
+  (:class:`gateway.loadsim.agent.AgentBot`, served on ``bot_port``): each key the caller
+  presses goes to it, and it streams its answer at ``token_rate`` tokens a second. The caller
+  listens to each answer to its end as in ``live``; each turn also records the bot's first
+  token -> the caller's first audio (same process, same clock), which sizes a line of agents.
 
 Refused calls (busy TwiML, a stream closed 1013, SIP 486/503/600) and failed ones are counted
 apart (:mod:`gateway.loadsim.model`). A caller whose call was refused or failed waits
@@ -57,6 +62,7 @@ from gateway.loadsim.speech import is_speech, speech_frames
 if TYPE_CHECKING:
     import httpx
 
+    from gateway.loadsim.agent import AgentBot
     from gateway.loadsim.sip_caller import SipCaller
     from gateway.loadsim.twilio_caller import Ticker, TwilioCaller
 
@@ -66,7 +72,7 @@ __all__ = ["GATEWAY_FAILURES", "READYZ_BUDGET_FIELD", "SCENARIOS", "LoadConfig",
 
 log = logging.getLogger(__name__)
 
-SCENARIOS = ("menu", "barge-in", "hangup", "live")
+SCENARIOS = ("menu", "barge-in", "hangup", "live", "agent")
 #: How long a caller in the ``live`` scenario waits for a live utterance to end.
 UTTERANCE_LIMIT_S = 120.0
 
@@ -112,6 +118,12 @@ class LoadConfig:
     #: of a lines file; Twilio's ``To``, the user of the SIP Request-URI).
     caller_id: str = "+15550000000"
     called: str = "+15550009999"
+    #: ``agent`` scenario: the port the simulator's bot listens on (the gateway's bot node
+    #: points at it), its tokens per second, its answer, and its delay to the first token.
+    bot_port: int = 8765
+    token_rate: float = 30.0
+    answer: str | None = None
+    bot_delay_s: float = 0.0
     #: Spread of the callers' timing, so they do not move in lockstep: each think time is drawn
     #: from ``think_s`` x [1 - jitter, 1 + jitter], and each caller of a level places its first
     #: call after a uniform delay in [0, jitter x (think_s + listen_s)] (seeded by ``seed``).
@@ -139,7 +151,7 @@ class LoadConfig:
     def turns(self) -> list[str]:
         """The keys of each turn after the answer (``live``: one key per turn), or a
         ``say:PATH`` recording."""
-        if self.scenario == "live":
+        if self.scenario in ("live", "agent"):
             return [key for entry in self.digits
                     for key in ([entry] if is_speech(entry) else entry)]
         if self.scenario == "barge-in":
@@ -203,6 +215,13 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
     for turn in config.turns():
         if is_speech(turn):
             speech_frames(turn)  # read and coded once per process
+    bot = None
+    if config.scenario == "agent":
+        from gateway.loadsim.agent import DEFAULT_ANSWER, AgentBot
+
+        bot = AgentBot(port=config.bot_port, rate=config.token_rate,
+                       answer=config.answer or DEFAULT_ANSWER, delay_s=config.bot_delay_s)
+        await bot.start()
     ticker = Ticker()
     ticker.start()
     rng = random.Random(config.seed * 1000 + worker)
@@ -229,12 +248,12 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
         counters.placed += 1
         try:
             if config.transport == "sip":
-                await _sip_call(config, record, started, rng)
+                await _sip_call(config, record, started, rng, bot)
             else:
                 # Unique across simulator hosts, processes and runs (as Twilio's are): several
                 # hosts' calls may reach one replica, which refuses a second stream of a CallSid.
                 call_sid = record.call_id = new_call_sid()
-                await _twilio_call(config, record, ticker, http, started, call_sid, rng)
+                await _twilio_call(config, record, ticker, http, started, call_sid, rng, bot)
         except Exception as exc:
             from gateway.loadsim.twilio_caller import describe
 
@@ -300,6 +319,8 @@ async def run_calls(config: LoadConfig, concurrency: int, level: int,
         reporter.cancel()
         await ticker.stop()
         await http.aclose()
+        if bot is not None:
+            await bot.stop()
     return Level(concurrency, calls, lateness_ms=ticker.lateness_ms,
                  withhold_fraction=config.withhold_fraction,
                  duration_s=time.monotonic() - began, pattern=config.pattern,
@@ -351,12 +372,13 @@ def _unanswered(leg: _Leg, what: str, after: str, timeout_s: float) -> str:
     return f"no audio within {timeout_s:g} s {after}"
 
 
-async def _scenario(config: LoadConfig, leg: _Leg, t0: float, rng: random.Random
+async def _scenario(config: LoadConfig, leg: _Leg, t0: float, rng: random.Random,
+                    bot: AgentBot | None = None, call_id: str | None = None,
                     ) -> tuple[list[tuple[Turn, float]], str | None]:
     """Run the scenario; returns the turns (with their monotonic times) and, when one went
     unanswered, why."""
     timeout = config.turn_timeout_s
-    live = config.scenario == "live"
+    live = config.scenario in ("live", "agent")
     answered = leg.answered_at
     answer = Turn("answer", at_s=answered - t0)
     turns: list[tuple[Turn, float]] = [(answer, answered)]
@@ -372,7 +394,8 @@ async def _scenario(config: LoadConfig, leg: _Leg, t0: float, rng: random.Random
             gone = leg.gone()
             return turns, (f"{gone} before the greeting ended" if gone else
                            f"the greeting never ended (no end within {UTTERANCE_LIMIT_S:g} s)")
-        answer.chars = len(config.greeting_text())
+        if config.scenario == "live":
+            answer.chars = len(config.greeting_text())
     for number, keys in enumerate(config.turns(), start=2):
         await asyncio.sleep(0.2 if config.scenario == "barge-in" else think_time(config, rng))
         if leg.gone() is not None:
@@ -404,9 +427,18 @@ async def _scenario(config: LoadConfig, leg: _Leg, t0: float, rng: random.Random
                 return turns, (f"{gone} before the sentence of {what} ended" if gone else
                                f"the sentence of {what} never ended (no end within "
                                f"{UTTERANCE_LIMIT_S:g} s)")
-            from gateway.greeter import digit_sentence  # imported before the clock started
+            if bot is not None and call_id is not None:
+                # The bot's answer: its characters, and its first token -> first audio.
+                from gateway.loadsim.agent import DEFAULT_ANSWER
 
-            turn.chars = len(digit_sentence(keys))
+                turn.chars = len(config.answer or DEFAULT_ANSWER)
+                token_at = bot.first_token(call_id, number - 1)
+                if token_at is not None:
+                    turn.token_audio_ms = 1000 * (first - token_at)
+            else:
+                from gateway.greeter import digit_sentence  # imported before the clock started
+
+                turn.chars = len(digit_sentence(keys))
     if config.scenario == "barge-in":
         return turns, None
     await asyncio.sleep(config.listen_s)
@@ -457,7 +489,7 @@ def _close(code: int | None, reason: str) -> str:
 
 async def _twilio_call(config: LoadConfig, record: CallRecord, ticker: Ticker,
                        http: httpx.AsyncClient, t0: float, call_sid: str,
-                       rng: random.Random) -> None:
+                       rng: random.Random, bot: AgentBot | None = None) -> None:
     import websockets
 
     from gateway.loadsim.twilio_caller import (
@@ -494,7 +526,7 @@ async def _twilio_call(config: LoadConfig, record: CallRecord, ticker: Ticker,
             return
         # Twilio's call setup as the caller feels it: webhook, upgrade, start.
         record.setup_ms = 1000 * (time.monotonic() - dialled)
-        turns, unanswered = await _scenario(config, _TwilioLeg(caller), t0, rng)
+        turns, unanswered = await _scenario(config, _TwilioLeg(caller), t0, rng, bot, call_sid)
     finally:
         await caller.hangup()
     heard = caller.heard
@@ -580,7 +612,7 @@ class _SipLeg:
 
 
 async def _sip_call(config: LoadConfig, record: CallRecord, t0: float,
-                    rng: random.Random) -> None:
+                    rng: random.Random, bot: AgentBot | None = None) -> None:
     from gateway.loadsim.sip_caller import CallFailed, CallTimeout, SipCaller
     from gateway.sip.sdp import SdpError
 
@@ -606,7 +638,7 @@ async def _sip_call(config: LoadConfig, record: CallRecord, t0: float,
         record.setup_ms = caller.setup_ms
         record.call_id = caller.call_id
         leg = _SipLeg(caller)
-        turns, unanswered = await _scenario(config, leg, t0, rng)
+        turns, unanswered = await _scenario(config, leg, t0, rng, bot, caller.call_id)
         if unanswered is not None:
             record.dropped = leg.gone() is not None
             record.fail(unanswered)

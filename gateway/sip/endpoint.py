@@ -40,7 +40,14 @@ from gateway.call.playout import PlayoutPolicy
 from gateway.call.session import Call
 from gateway.metrics import Metrics
 from gateway.net import bind
-from gateway.sip.rtp import DtmfReceiver, RtpError, RtpPacket, RtpReceiverStats, RtpSender
+from gateway.sip.rtp import (
+    DtmfReceiver,
+    DtmfSender,
+    RtpError,
+    RtpPacket,
+    RtpReceiverStats,
+    RtpSender,
+)
 from gateway.sip.sdp import Answer
 from gateway.sip.uas import (
     CallAnswered,
@@ -154,6 +161,10 @@ class SipMedia:
         self._on_hold = answer.on_hold
         self._held_at: float | None = endpoint.clock.now() if answer.on_hold else None
         self.rate: InboundRate = endpoint.lifecycle.inbound_meter()
+        # Keys being sent to the caller (send_digits), and where their event started.
+        self._digits: DtmfSender | None = None
+        self._digits_sent: asyncio.Future[None] | None = None
+        self._event_ts = 0
         self._dropped_metric = (endpoint.metrics.inbound_media_dropped.labels("sip")
                                 if endpoint.metrics is not None else None)
 
@@ -187,9 +198,37 @@ class SipMedia:
     # --- CallTransport ------------------------------------------------------------------------
 
     async def send_frames(self, frames: list[bytes]) -> None:
+        digits = self._digits
         for frame in frames:
-            self.sock.sendto(self.sender.packet(frame), self.remote)
+            event = digits.next() if digits is not None else None
+            if event is None:
+                self.sock.sendto(self.sender.packet(frame), self.remote)
+                continue
+            # A key on the wire replaces this frame's audio (RFC 4733 section 2.5.1.2).
+            payload, first = event
+            if first:
+                self._event_ts = self.sender.timestamp
+            assert self.answer.telephone_event_pt is not None
+            self.sock.sendto(self.sender.event_packet(payload, self.answer.telephone_event_pt,
+                                                      self._event_ts, first),
+                             self.remote)
         self.stats.sent += len(frames)
+        if digits is not None and digits.done:
+            self._digits = None
+            if self._digits_sent is not None and not self._digits_sent.done():
+                self._digits_sent.set_result(None)
+
+    async def send_digits(self, digits: str) -> bool:
+        """Send keys to the caller as RFC 4733 events in the outgoing RTP (False, sending
+        nothing, when the caller's SDP did not offer telephone-event). Returns once sent."""
+        if self.answer.telephone_event_pt is None:
+            return False
+        while self._digits is not None and self._digits_sent is not None:
+            await asyncio.shield(self._digits_sent)
+        sent = self._digits_sent = asyncio.get_running_loop().create_future()
+        self._digits = DtmfSender(digits)
+        await asyncio.shield(sent)
+        return True
 
     async def send_mark(self, name: str) -> None:
         raise AssertionError("RTP has no far-end marks (RTP_PLAYOUT.far_end_marks is False)")

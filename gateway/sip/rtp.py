@@ -27,6 +27,7 @@ argument) raises it too, with a message naming the field.
 
 from __future__ import annotations
 
+import collections
 import random
 import struct
 from collections.abc import Mapping
@@ -55,6 +56,7 @@ __all__ = [
     "TELEPHONE_EVENT_SIZE",
     "TS_MOD",
     "DtmfReceiver",
+    "DtmfSender",
     "RtpError",
     "RtpPacket",
     "RtpPayloadDecoder",
@@ -443,6 +445,60 @@ class DtmfReceiver:
             self.last_duration = event.duration
         if event.end:
             self._ended = True
+
+
+class DtmfSender:
+    """Keys sent as RFC 4733 telephone events, planned one 20 ms frame at a time (sans-I/O).
+
+    Each key is an event of ``tone_ms`` whose packets all carry the event's first timestamp and
+    a growing duration; its last packet has the E bit and is sent three times (RFC 4733
+    section 2.5.1.4: the end is retransmitted, since it is what a receiver waits for). A gap
+    of ``gap_ms`` follows each key; ``w`` is a pause of ``pause_ms`` (Twilio's ``sendDigits``).
+    While a key is on the wire its frames replace the audio (section 2.5.1.2 lets a sender
+    mute it); gaps and pauses carry the audio as usual.
+
+    :meth:`next` is asked once per outgoing frame: the event payload for that frame and whether
+    it starts an event (the marker bit; its packets then carry that frame's timestamp), or None
+    for an audio frame.
+    """
+
+    def __init__(self, digits: str, *, tone_ms: int = 100, gap_ms: int = 100,
+                 pause_ms: int = 500, volume: int = 10,
+                 samples_per_frame: int = SAMPLES_PER_FRAME) -> None:
+        unknown = [d for d in digits if d not in DIGIT_TO_EVENT and d != "w"]
+        if unknown:
+            raise RtpError(f"{unknown[0]!r} is not a DTMF key (0-9, *, #, A-D; w pauses)")
+        frame_ms = max(1, samples_per_frame // 8)
+        #: Per frame: (payload, starts an event, ends a key) or None (audio).
+        self._frames: collections.deque[tuple[bytes, bool, bool] | None] = collections.deque()
+        for digit in digits:
+            if digit == "w":
+                self._frames.extend([None] * (pause_ms // frame_ms))
+                continue
+            event, n = DIGIT_TO_EVENT[digit], max(1, tone_ms // frame_ms)
+            for i in range(n - 1):
+                payload = TelephoneEvent(event, False, volume, (i + 1) * samples_per_frame)
+                self._frames.append((payload.serialize(), i == 0, False))
+            end = TelephoneEvent(event, True, volume, n * samples_per_frame).serialize()
+            self._frames.extend([(end, n == 1, False), (end, False, False), (end, False, True)])
+            self._frames.extend([None] * (gap_ms // frame_ms))
+        #: Keys whose events have all been sent.
+        self.sent = 0
+
+    @property
+    def done(self) -> bool:
+        return not self._frames
+
+    def next(self) -> tuple[bytes, bool] | None:
+        """The next frame's event payload and marker (None: send audio this frame)."""
+        if not self._frames:
+            return None
+        frame = self._frames.popleft()
+        if frame is None:
+            return None
+        payload, first, last = frame
+        self.sent += last
+        return payload, first
 
 
 # --- our outgoing stream -----------------------------------------------------------------------

@@ -261,7 +261,8 @@ class SpeechStream:
             raise EngineError("this turn's text has ended")
         held = self._text_held + text
         if last:
-            ready, self._text_held = held, ""
+            # Whitespace after the last word is no word: the text ends where the words do.
+            ready, self._text_held = held.rstrip(), ""
         else:
             cut = max(held.rfind(" "), held.rfind("\n"))
             ready, self._text_held = (held[:cut], held[cut:]) if cut > 0 else ("", held)

@@ -44,21 +44,8 @@ def test_the_docs_document_the_commands_this_test_knows() -> None:
 RUN_SH_VERBS = ("test", "setup", "--help", "help")
 
 
-#: The bot node's page documents issue 34's commands (its example bot and the simulator's agent
-#: scenario); on a branch without that work (no examples/bot.yaml) they are expected to fail, and
-#: the mark disappears by itself once it is merged.
-_BOT_NODE_MERGED = (ROOT / "examples" / "bot.yaml").exists()
-
-
-def _expected(command: Documented) -> Any:
-    if command.source == "docs/authors/bots.md" and not _BOT_NODE_MERGED:
-        return pytest.param(command, marks=pytest.mark.xfail(
-            reason="the bot node (issue 34) is not on this branch", strict=False))
-    return command
-
-
-@pytest.mark.parametrize("command", [_expected(c) for c in COMMANDS
-                                     if c.argv[0] not in RUN_SH_VERBS], ids=_id)
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c.argv[0] not in RUN_SH_VERBS],
+                         ids=_id)
 def test_every_documented_command_exists_with_its_options(
     command: Documented, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -122,3 +122,15 @@ def test_svg_text_keeps_the_space_after_a_bold_label_and_any_failure_is_a_node(
                  if (g.findtext(f"{SVG}title") or "") == "__error__")
     assert group.find(f"{SVG}path") is not None or group.find(f"{SVG}polygon") is not None
     assert "__error__->sorry" in edges
+
+
+def test_a_bot_node_shows_its_url_greeting_what_it_sets_and_its_end_edge(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RELAY_BOT_URL", raising=False)
+    script = load_script(ROOT / "examples" / "bot.yaml")
+    source = flow_graph(script).source
+    assert "<b>bot</b> ws://127.0.0.1:8765/relay sets reasonCode" in source
+    assert "Hello, this is the Acme Energy assistant." in source
+    assert re.search(r"assistant -> after \[label=end\]", source)
+    assert "(speech, webhook, bot)" in source

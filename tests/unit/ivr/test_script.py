@@ -80,7 +80,7 @@ def test_node_shape_errors_are_plain_english() -> None:
     errors = _errors(HEAD + "nodes:\n  a: {say: 'Hi.'}\n")
     assert errors == [
         "t.yaml:5:6: nodes.a: this node does not say where the call goes: add "
-        "'next', 'gather', 'webhook', 'transfer', 'branch', 'hours' or 'hangup: true'"
+        "'next', 'gather', 'webhook', 'bot', 'transfer', 'branch', 'hours' or 'hangup: true'"
     ]
     errors = _errors(HEAD + "nodes:\n  a: {transfer: '+15551234567', hangup: true}\n")
     assert "a node does one thing after speaking; this one has transfer and hangup" in errors[0]

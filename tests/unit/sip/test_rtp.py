@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
@@ -19,6 +20,7 @@ from gateway.sip.rtp import (
     SEQ_MOD,
     TS_MOD,
     DtmfReceiver,
+    DtmfSender,
     RtpError,
     RtpPacket,
     RtpPayloadDecoder,
@@ -679,3 +681,51 @@ def test_payload_decoder_uses_g711() -> None:
         RtpPayloadDecoder("G722")
     with pytest.raises(RtpError, match="payload type 9"):
         RtpPayloadDecoder.for_payload_type(9)
+
+
+# --- sending keys (RFC 4733) ------------------------------------------------------------------
+
+
+def test_keys_sent_as_events_are_received_as_those_keys() -> None:
+    sender = RtpSender(0, ssrc=7, initial_sequence=65534, initial_timestamp=2**32 - 400,
+                       rng=random.Random(0))
+    keys = DtmfSender("1w#A")
+    receiver = DtmfReceiver(101)
+    received: list[tuple[str, int]] = []
+    packets: list[RtpPacket] = []
+    started = 0
+    while not keys.done:
+        event = keys.next()
+        if event is None:
+            packet = RtpPacket.parse(sender.packet(b"\xff" * 160))
+        else:
+            payload, first = event
+            if first:
+                started = sender.timestamp
+            packet = RtpPacket.parse(sender.event_packet(payload, 101, started, first))
+            digit = receiver.feed(packet)
+            if digit is not None:
+                received.append((digit, packet.timestamp))
+        packets.append(packet)
+    assert [d for d, _ in received] == ["1", "#", "A"]
+    assert keys.sent == 3
+    # One sequence space for audio and events, wrapping; the clock runs on through events.
+    assert all(seq_diff(b.sequence, a.sequence) == 1 for a, b in itertools.pairwise(packets))
+    events = [p for p in packets if p.payload_type == 101]
+    first_of_each = [p for p in events if p.marker]
+    assert len(first_of_each) == 3 and all(p.timestamp in {t for _, t in received}
+                                           for p in first_of_each)
+    # 100 ms a key (5 frames, the last sent three times with the E bit), 100 ms apart, and
+    # "w" half a second of audio.
+    ends = [TelephoneEvent.parse(p.payload) for p in events if TelephoneEvent.parse(
+        p.payload).end]
+    assert len(ends) == 9 and {e.duration for e in ends} == {800}
+    assert len(packets) == 3 * (7 + 5) + 25
+    audio_after = packets[-1]
+    assert audio_after.payload_type == 0
+    assert ts_diff(audio_after.timestamp, packets[0].timestamp) == 160 * (len(packets) - 1)
+
+
+def test_keys_that_are_not_keys_are_refused() -> None:
+    with pytest.raises(RtpError, match="'x' is not a DTMF key"):
+        DtmfSender("12x")
