@@ -88,6 +88,12 @@ log = logging.getLogger(__name__)
 MAX_VARIABLE_CHARS = 200
 #: Messages waiting to go to a bot that does not read them: past this it is taken as gone.
 MAX_OUTBOX = 256
+
+#: After a key cuts an answer off, the key goes to the bot once the interrupted answer's tokens
+#: have stopped arriving for this long: anything read before then is the old answer, anything
+#: after answers the key. Longer than a bot's reaction to ``interrupt``
+#: over a local network, short beside the key's own 40-100 ms.
+INTERRUPT_QUIET_S = 0.1
 #: A BCP 47 tag for prompts' ``lang`` when the conversation's language is named, not tagged.
 _DEFAULT_TAGS = {"en": "en-US", "es": "es-ES", "fr": "fr-FR", "de": "de-DE", "it": "it-IT",
                  "pt": "pt-BR", "ja": "ja-JP", "ko": "ko-KR", "zh": "zh-CN", "ru": "ru-RU"}
@@ -237,6 +243,9 @@ class BotSession:
         self._queue: deque[_Talk] = deque()
         self._open_text: _Talk | None = None
         self._discarding = False
+        # Keys held back until the interrupted answer has stopped arriving (see _pump).
+        self._held_digits: list[str] = []
+        self._held_wake = asyncio.Event()
         self._turn: SpeechTurn | None = None
         self._turn_ignored = False
         self._turn_at = turn_at
@@ -319,11 +328,48 @@ class BotSession:
             self._connected = True
             writer = asyncio.create_task(self._write(), name=f"bot-out-{call.call_id}")
             self._tasks.append(writer)
-            while True:
-                message = await self._conn.receive()
-                await self._inbox.put(("bot", message))
+            await self._read()
         except BotError as exc:
             await self._inbox.put(("gone", exc))
+
+    async def _read(self) -> None:
+        """Read the bot's messages into the inbox, in order. While keys are held (a key cut an
+        answer off), a key goes out once no message has come for ``INTERRUPT_QUIET_S``, and a
+        ``fenced`` item marks the place in the inbox: what was read before it is the rest of
+        the cut-off answer (the bot had not seen ``interrupt`` when it sent it), what comes
+        after may answer the key. The fence is placed here, where messages are read, because
+        anywhere later a message still on its way through the event loop would land on the
+        wrong side of it."""
+        receiving: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                if receiving is None:
+                    receiving = asyncio.ensure_future(self._conn.receive())
+                if self._held_digits:
+                    try:
+                        await self.clock.wait_for(asyncio.shield(receiving), INTERRUPT_QUIET_S)
+                    except TimeoutError:
+                        digits, self._held_digits = self._held_digits, []
+                        await self._inbox.put(("fenced", None))
+                        for digit in digits:
+                            self._send(DtmfOut(digit))
+                        continue
+                else:
+                    self._held_wake.clear()
+                    wake = asyncio.ensure_future(self._held_wake.wait())
+                    try:
+                        await asyncio.wait({receiving, wake},
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        wake.cancel()
+                    if not receiving.done():
+                        continue  # a key is held: wait for the quiet
+                message = receiving.result()
+                receiving = None
+                await self._inbox.put(("bot", message))
+        finally:
+            if receiving is not None and not receiving.done():
+                receiving.cancel()
 
     async def _write(self) -> None:
         try:
@@ -392,6 +438,9 @@ class BotSession:
         elif kind == "gone":
             if self._ended is None:
                 raise value
+        elif kind == "fenced":
+            # The interrupted answer's tokens have stopped; the held key has gone to the bot.
+            self._discarding = False
         elif kind == "fetched":
             self._start_next()
         elif kind == "digits":
@@ -787,11 +836,18 @@ class BotSession:
             raise CallerLeft()
         if isinstance(event, Dtmf):
             self._turn_at = event.at
-            await self._interrupt("dtmf")
+            interrupted = await self._interrupt("dtmf")
             if self.bot.dtmf_detection and self._ended is None:
-                self._send(DtmfOut(event.digit))
-                # What the bot sends from now on may answer this key: nothing more is dropped.
-                self._discarding = False
+                if interrupted or self._held_digits:
+                    # Tokens of the cut-off answer may still be on their way: the key goes to
+                    # the bot once they have stopped (_read), and what comes after may answer
+                    # it (the "fenced" item ends the dropping).
+                    self._held_digits.append(event.digit)
+                    self._held_wake.set()
+                else:
+                    self._send(DtmfOut(event.digit))
+                    # What the bot sends from now on may answer this key: nothing is dropped.
+                    self._discarding = False
         elif isinstance(event, SpeechStarted):
             talk = self._current
             if talk is not None and not talk.allows("speech"):

@@ -32,6 +32,7 @@ import pytest
 from gateway.asr.whisper import model_available
 from gateway.call import Call, EndCall, TransferTo
 from tests.support.builds import built_once
+from tests.support.clocks import LoopClock
 from tests.support.relay_bots import RelayTestBot, Session
 from tests.support.servers import AUTH_TOKEN, VirtualServer, serve_virtual, virtual_loop
 from tests.support.waiting import until
@@ -258,7 +259,7 @@ class Caller:
             from gateway.loadsim.sip_caller import SipCaller
 
             self.phone = SipCaller(caller_id="15550001111",
-                                   clock=asyncio.get_running_loop().time)
+                                   clock=LoopClock(asyncio.get_running_loop()))
             endpoint = live.gateway.sip
             assert endpoint is not None and endpoint.local_addr is not None
             await self.phone.call(endpoint.local_addr, user=self.dialled)
@@ -448,6 +449,42 @@ def test_a_key_stops_the_bot_and_the_bot_hears_what_was_heard(relay: Relay,
             await _heard(call, "Goodbye.")
             await caller.ended()
             assert isinstance(call.outcome, EndCall)
+        finally:
+            await caller.close()
+
+    relay.live.run(scenario())
+
+
+def test_the_cut_off_answers_tokens_still_on_their_way_are_not_spoken(relay: Relay) -> None:
+    """A bot streams its answer; the caller presses a key; tokens the bot wrote before it read
+    the ``interrupt`` reach the gateway after the key. They are the old answer's and are
+    dropped; the key reaches the bot once they have stopped, and the answer to it is spoken
+    as an answer of its own."""
+    async def scenario() -> None:
+        caller = Caller(relay, "twilio")
+        try:
+            bot = await _connected(relay, caller)
+            call = caller.call
+            await _heard(call, "Hello, this is Acme.")
+            await bot.tokens(LONG, size=6, last=False)
+            answer = await _heard(call, "Thank you", played=False)
+            await until(lambda: answer.frames_sent >= 20, 60, "the answer under way")
+            await caller.press("3")
+            # Written before the bot read the interrupt: still on their way after the key.
+            await bot.tokens(" STALE words of the answer the caller cut off,", size=6,
+                             last=False)
+            await bot.wait("interrupt")
+            assert (await bot.wait("dtmf"))["digit"] == "3"
+            kinds = [m["type"] for m in bot.received]
+            assert kinds.index("interrupt") < kinds.index("dtmf")
+            await bot.tokens("You pressed three.")
+            reply = await _heard(call, "You pressed three.")
+            assert reply is not answer and reply.text.startswith("You pressed three.")
+            assert not any("STALE" in u.text for u in call.utterances), [
+                u.text for u in call.utterances]
+            await bot.send(type="end")
+            await _heard(call, "Goodbye.")
+            await caller.ended()
         finally:
             await caller.close()
 
