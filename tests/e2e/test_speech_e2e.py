@@ -24,11 +24,14 @@ from typing import Any
 
 import pytest
 
-from gateway.call import Call, EndCall, TransferTo
+from gateway.call import Call
 from tests.support.builds import built_once
 from tests.support.servers import VirtualServer
-from tests.support.speech_callers import SipCaller, TwilioCaller, ivr_trace, recognizer_swapped
-from tests.support.waiting import until
+from tests.support.speech_callers import (
+    ivr_trace,
+    recognizer_swapped,
+    run_scenario,
+)
 
 #: What callers say (text, flite voice). Synthesised once per run into ``<name>.ulaw``.
 UTTERANCES = {
@@ -153,39 +156,5 @@ def test_speech_menus_on_every_transport(request: pytest.FixtureRequest, ivr: Vi
 
 async def _scenario(live: VirtualServer, said: dict[str, bytes], name: str,
                     transport: str) -> Call:
-    registry = live.gateway.registry
-    before = {call_id for call_id, _ in registry.items()}
     n = 300 + sorted(SCENARIOS).index(name) * 2 + (transport == "sip")
-    caller = TwilioCaller(live, n) if transport == "twilio" else SipCaller(live, n)
-    await caller.start()
-    try:
-        call: Call = await until(
-            lambda: next((c for k, c in registry.items() if k not in before), None), 30)
-        for step, arg in SCENARIOS[name]:
-            if step == "say":
-                caller.say(said[arg])
-            elif step == "press":
-                await caller.press(arg)
-            elif step == "ended":
-                await caller.ended()
-                expected = TransferTo if arg == "transfer" else EndCall
-                assert isinstance(call.outcome, expected), call.outcome
-            else:
-                def reached(step: str = step, arg: str = arg) -> bool:
-                    for u in call.utterances:
-                        if arg in u.text and {"hear": u.first_frame_at is not None,
-                                              "started": u.first_frame_at is not None,
-                                              "played": u.played.is_set(),
-                                              "interrupted": u.interrupted}[step]:
-                            return True
-                    return False
-
-                try:
-                    await until(reached, 30)
-                except AssertionError:
-                    spoken = [(u.text[:50], u.interrupted) for u in call.utterances]
-                    raise AssertionError(f"{step} {arg!r} never happened; said {spoken}") from None
-    finally:
-        await caller.close()
-    await until(lambda: call.call_id not in registry, 30)
-    return call
+    return await run_scenario(live, said, SCENARIOS[name], n, transport)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from gateway.call import Call, EndCall, TransferTo
 from tests.support.clocks import LoopClock
 from tests.support.servers import AUTH_TOKEN, VirtualServer
 from tests.support.waiting import until
@@ -70,6 +71,48 @@ class SipCaller:
 
     async def close(self) -> None:
         await self.phone.aclose()
+
+
+async def run_scenario(live: VirtualServer, said: dict[str, bytes],
+                       steps: list[tuple[str, str]], n: int, transport: str) -> Call:
+    """Call ``live`` over ``transport`` (caller number ``n``) and play ``steps``: ``say`` a
+    synthesised utterance, ``press`` a key, wait until an utterance containing a text was
+    ``hear``d / ``started`` / ``played`` / ``interrupted``, or the call ``ended`` (with a
+    ``transfer`` or a hang-up). Returns the server's call once it has left the registry."""
+    registry = live.gateway.registry
+    before = {call_id for call_id, _ in registry.items()}
+    caller = TwilioCaller(live, n) if transport == "twilio" else SipCaller(live, n)
+    await caller.start()
+    try:
+        call: Call = await until(
+            lambda: next((c for k, c in registry.items() if k not in before), None), 30)
+        for step, arg in steps:
+            if step == "say":
+                caller.say(said[arg])
+            elif step == "press":
+                await caller.press(arg)
+            elif step == "ended":
+                await caller.ended()
+                expected = TransferTo if arg == "transfer" else EndCall
+                assert isinstance(call.outcome, expected), call.outcome
+            else:
+                def reached(step: str = step, arg: str = arg) -> bool:
+                    return any(arg in u.text and {"hear": u.first_frame_at is not None,
+                                                  "started": u.first_frame_at is not None,
+                                                  "played": u.played.is_set(),
+                                                  "interrupted": u.interrupted}[step]
+                               for u in call.utterances)
+
+                try:
+                    await until(reached, 30)
+                except AssertionError:
+                    spoken = [(u.text[:50], u.interrupted) for u in call.utterances]
+                    raise AssertionError(f"{step} {arg!r} never happened; said {spoken}") from None
+    finally:
+        await caller.close()
+    await until(lambda: call.call_id not in registry, 30)
+    await asyncio.sleep(0)
+    return call
 
 
 @contextlib.contextmanager
