@@ -368,8 +368,12 @@ class BotSession:
                 receiving = None
                 await self._inbox.put(("bot", message))
         finally:
-            if receiving is not None and not receiving.done():
-                receiving.cancel()
+            if receiving is not None:
+                if receiving.done():
+                    if not receiving.cancelled():
+                        receiving.exception()  # read here: the session is over (no warning)
+                else:
+                    receiving.cancel()
 
     async def _write(self) -> None:
         try:
