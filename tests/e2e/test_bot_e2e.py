@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import logging
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from gateway.asr.whisper import model_available
 from gateway.call import Call, EndCall, TransferTo
 from tests.support.builds import built_once
 from tests.support.clocks import LoopClock
+from tests.support.logs import logged
 from tests.support.relay_bots import RelayTestBot, Session
 from tests.support.servers import AUTH_TOKEN, VirtualServer, serve_virtual, virtual_loop
 from tests.support.waiting import until
@@ -666,21 +666,10 @@ def test_a_bot_that_cannot_be_reached_takes_the_error_path(
         finally:
             await caller.close()
 
-    # The runner logs the reason: read on the gateway's own logger, so the check does not
-    # depend on the root logger's handlers and level, which earlier tests in the same worker
-    # may have reconfigured (it failed once in CI while passing alone).
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # type: ignore[method-assign]
-    gateway_log = logging.getLogger("gateway")
-    level = gateway_log.level
-    gateway_log.addHandler(handler)
-    gateway_log.setLevel(logging.INFO)
-    try:
+    # The runner logs the reason: read on the gateway's own logger (it failed once in CI
+    # through caplog while passing alone; see tests.support.logs).
+    with logged("gateway") as records:
         relay.live.run(scenario())
-    finally:
-        gateway_log.removeHandler(handler)
-        gateway_log.setLevel(level)
     expected = {"refused": "could not connect", "forbidden": "HTTP 403",
                 "untrusted": "certificate this gateway does not trust"}[line]
     said = [r.getMessage() for r in records]
