@@ -24,9 +24,26 @@ from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["Cancellable", "Clock", "SystemClock", "VirtualClock", "wait_for"]
+__all__ = ["MIN_WAIT_S", "Cancellable", "Clock", "SystemClock", "VirtualClock", "timer_delay",
+           "wait_for"]
 
 T = TypeVar("T")
+
+#: The shortest timed wait handed to asyncio. asyncio runs a timer up to its clock's resolution
+#: early (1 ns for ``CLOCK_MONOTONIC``) without that clock having passed the timer's time, so the
+#: gateway's usual loop, "wait until the deadline, then check ``now() >= deadline``", could wake
+#: with the deadline a few picoseconds ahead (the float sums of a call's timers leave such
+#: remainders) and wait again: for a nanosecond on a real clock, for ever on a virtual-time
+#: loop, whose time moves only when the loop is idle (a bot's stalled-answer deadline spun a
+#: test gateway's event loop for 300 s). A timer at least this far ahead fires only once the
+#: clock has passed it, and a microsecond more is nothing to any wait the gateway makes.
+MIN_WAIT_S = 1e-6
+
+
+def timer_delay(seconds: float) -> float:
+    """The delay to give asyncio for a wait of ``seconds``: ``seconds``, but at least
+    :data:`MIN_WAIT_S` when it is positive (zero and below stay: they mean "do not wait")."""
+    return seconds if seconds <= 0.0 or seconds >= MIN_WAIT_S else MIN_WAIT_S
 
 
 class Cancellable(Protocol):
@@ -83,16 +100,16 @@ class SystemClock:
         return time.time()
 
     async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(max(0.0, seconds))
+        await asyncio.sleep(max(0.0, timer_delay(seconds)))
 
     async def wait_for(self, awaitable: Awaitable[T], seconds: float | None) -> T:
         return await wait_for(awaitable, seconds)
 
     def timeout(self, seconds: float | None) -> AbstractAsyncContextManager[object]:
-        return asyncio.timeout(seconds)
+        return asyncio.timeout(None if seconds is None else timer_delay(seconds))
 
     def call_later(self, seconds: float, callback: Callable[[], None]) -> Cancellable:
-        return asyncio.get_running_loop().call_later(max(0.0, seconds), callback)
+        return asyncio.get_running_loop().call_later(max(0.0, timer_delay(seconds)), callback)
 
 
 async def wait_for(awaitable: Awaitable[T], seconds: float | None) -> T:
@@ -101,7 +118,8 @@ async def wait_for(awaitable: Awaitable[T], seconds: float | None) -> T:
     Python 3.11's own returns the awaitable's result when the waiting task is cancelled in the
     loop turn that the awaitable completes (bpo-42130): the cancellation is lost, and a task
     that loops on a timed wait (the SIP endpoint's timers, woken by the very request that
-    stops it) never ends, so whoever stops it waits for ever.
+    stops it) never ends, so whoever stops it waits for ever. A positive wait lasts at least
+    :data:`MIN_WAIT_S` (see there).
     """
     if seconds is None:
         return await awaitable
@@ -113,7 +131,7 @@ async def wait_for(awaitable: Awaitable[T], seconds: float | None) -> T:
         with contextlib.suppress(asyncio.CancelledError):
             await future
         raise TimeoutError
-    async with asyncio.timeout(seconds):
+    async with asyncio.timeout(timer_delay(seconds)):
         return await awaitable
 
 

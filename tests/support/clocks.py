@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
-from gateway.clock import VirtualClock, wait_for
+from gateway.clock import VirtualClock, timer_delay, wait_for
 
 __all__ = ["LoopClock", "ManualClock", "VirtualClock"]
 
@@ -43,17 +43,19 @@ class LoopClock:
     def wall(self) -> float:
         return self._wall_offset + self._loop.time()
 
+    # Every wait goes through timer_delay, as SystemClock's do: a wait shorter than the loop's
+    # clock resolution would never move this loop's virtual time (see gateway.clock.MIN_WAIT_S).
     async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(max(0.0, seconds))
+        await asyncio.sleep(max(0.0, timer_delay(seconds)))
 
     async def wait_for(self, awaitable: Awaitable[T], seconds: float | None) -> T:
         return await wait_for(awaitable, seconds)  # not asyncio's: see gateway.clock.wait_for
 
     def timeout(self, seconds: float | None) -> AbstractAsyncContextManager[object]:
-        return asyncio.timeout(seconds)
+        return asyncio.timeout(None if seconds is None else timer_delay(seconds))
 
     def call_later(self, seconds: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
-        return self._loop.call_later(max(0.0, seconds), callback)
+        return self._loop.call_later(max(0.0, timer_delay(seconds)), callback)
 
 
 class ManualClock(VirtualClock):
