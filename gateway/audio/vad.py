@@ -16,7 +16,9 @@ The per-window probability becomes one event per caller turn:
   >= ``threshold - 0.15`` (Silero's own hysteresis, ``neg_threshold`` in
   ``get_speech_timestamps``); one window below that ends the run;
 * inside a run, a window counts towards ``min_speech_ms`` only if it is also *audible*: at least
-  6 dB above the call's noise floor (the quietest window of the last second) and above -64 dBFS.
+  6 dB above the call's noise floor (the quietest window of the last second; until a second
+  has been heard, none: the speech of a caller talking from the first window would be its own
+  floor) and above -64 dBFS.
   Silero's probability lags the audio: it often stays above 0.8 for one to three windows
   (30-100 ms) after speech stops, so counting probability alone turns some 150 ms "mm-hm"s into
   256 ms of "speech" (measured on espeak-ng backchannels and 150 ms slices of speech). Quiet
@@ -34,27 +36,27 @@ The per-window probability becomes one event per caller turn:
   counts from there too; after ``min_silence_ms`` of it the turn is over, and the pause start
   stays until the next speech start, since it is when the caller stopped talking.
 
-All of this is synchronous CPU work with per-call state (STYLE.md rules 1 and 6). The model costs
-about 0.17 ms per 32 ms window on one core (0.11 ms per 20 ms frame), which on every frame of
-every call would saturate one event loop near 180 calls. So the model runs only on windows whose
-outcome can depend on it (``skip_quiet``, the default): while the detector is idle (no run, not
-speaking) a window that is not audible can neither count towards ``min_speech_ms`` nor end
-anything, so it is not run; its power still feeds the noise floor. A quiet line (digital
+All of this is synchronous CPU work with per-call state (STYLE.md rules 1 and 6). The model
+costs about 0.17 ms per 32 ms window on one core (0.11 ms per 20 ms frame), which on every frame
+of every call would saturate one event loop near 180 calls. So the model runs only on windows
+whose outcome can depend on it (``skip_quiet``, the default): while the detector is idle (no
+run, not speaking) a window that is not audible can neither count towards ``min_speech_ms`` nor
+end anything, so it is not run; its power still feeds the noise floor. A quiet line (digital
 silence, stationary line noise: a window's power never reaches 6 dB over the line's own
-one-second minimum) then costs a few microseconds a frame. The model's recurrent state does
-depend on the background it has heard (started cold on speech in noise it fires up to 0.5 s
-late), so the last :data:`LOOKBACK_WINDOWS` skipped windows are kept and run first when an
-audible window arrives: the model meets the speech with the state the line's recent background
-gives it, and decides as it does when it sees every window
+one-second minimum) then costs a few microseconds a frame, once its first second has been heard
+(before that the floor is the absolute one, so line noise runs the model on up to 31 windows).
+The model's recurrent state does depend on the background it has heard (started cold on speech
+in noise it fires up to 0.5 s late), so the last :data:`LOOKBACK_WINDOWS` skipped windows are
+kept and run first when an audible window arrives: the model meets the speech with the state the
+line's recent background gives it, and decides as it does when it sees every window
 (``tests/unit/audio/test_vad.py`` compares the two on speech, noise and backchannels). The call
-feeds the detector only while something interruptible plays (:class:`gateway.call.session.Call`),
-so all of it runs inline on the event loop.
+feeds the detector only while something interruptible plays
+(:class:`gateway.call.session.Call`), so all of it runs inline on the event loop.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import threading
 from pathlib import Path
 from typing import Any, Final
@@ -258,9 +260,12 @@ class SpeechStartDetector:
         self._history = np.zeros((LOOKBACK_WINDOWS, 1, self._context + self._window),
                                  dtype=np.float32)
         self._skipped = 0
-        # Mean power of recent windows, a ring; +inf marks "not seen yet". A list: the builtin
-        # min() of 31 floats costs a fraction of numpy's per-call overhead.
-        self._powers = [math.inf] * max(1, round(NOISE_FLOOR_S * sample_rate / self._window))
+        # Mean power of recent windows, a ring. A list: the builtin min() of 31 floats costs a
+        # fraction of numpy's per-call overhead. A slot not heard yet holds 0.0, so until a
+        # second of the line has been heard the floor is the absolute one: learned from the
+        # first windows alone, it would be the speech of a caller already talking when the
+        # detector starts (espeak-ng's "agent" then never stood 6 dB above itself).
+        self._powers = [0.0] * max(1, round(NOISE_FLOOR_S * sample_rate / self._window))
         self._floor_i = 0
         # Inbound codes not yet a whole window.
         self._pending = bytearray()
@@ -300,7 +305,7 @@ class SpeechStartDetector:
         """Forget all audio and state, as if newly constructed (the event count restarts too)."""
         self._x.fill(0.0)
         self._feeds["state"] = np.zeros(_STATE_SHAPE, dtype=np.float32)
-        self._powers = [math.inf] * len(self._powers)
+        self._powers = [0.0] * len(self._powers)
         self._skipped = 0
         self._floor_i = 0
         self._pending.clear()
