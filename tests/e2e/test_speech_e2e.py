@@ -28,6 +28,9 @@ from gateway.call import Call
 from tests.support.builds import built_once
 from tests.support.servers import VirtualServer
 from tests.support.speech_callers import (
+    COMMON_SCENARIOS,
+    FAILURE,
+    broken_pool,
     ivr_trace,
     recognizer_swapped,
     run_scenario,
@@ -67,24 +70,8 @@ def ivr(demo_virtual: tuple[VirtualServer, list[Any]]) -> VirtualServer:
     return live
 
 
-
-
 SCENARIOS: dict[str, list[tuple[str, str]]] = {
-    # After the menu has played: "agent" goes to the agent node, which transfers.
-    "a spoken choice routes the call": [
-        ("played", "For your account balance"),
-        ("say", "agent"),
-        ("hear", "transfer you to an agent"),
-        ("ended", "transfer"),
-    ],
-    "an out-of-menu sentence gets the retry prompt, then keys still work": [
-        ("played", "For your account balance"),
-        ("say", "cancel"),
-        ("hear", "didn't catch that"),
-        ("press", "2"),
-        ("hear", "transfer you to an agent"),
-        ("ended", "transfer"),
-    ],
+    **COMMON_SCENARIOS,
     # While the menu still plays: the speech stops it and is the answer; then the account
     # number, said digit by digit, goes to the backend as keys would.
     "speech during the menu barges in and is recognised": [
@@ -101,23 +88,8 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
 @pytest.fixture(scope="module")
 def broken_recognizer(ivr: VirtualServer) -> Iterator[Any]:
     """A recogniser pool whose every turn fails (in its worker process), started once."""
-    from gateway.asr.pool import RecognizerPool
-    from tests.support import asr_fakes
-
-    pool = RecognizerPool(asr_fakes.Broken, workers=1, timeout_s=10)
-    ivr.run(pool.start())
-    yield pool
-    ivr.run(pool.close())
-
-
-SCENARIOS["a recogniser failure falls back to keys with a logged reason"] = [
-    ("played", "For your account balance"),
-    ("say", "agent"),
-    ("hear", "didn't catch that"),
-    ("press", "2"),
-    ("hear", "transfer you to an agent"),
-    ("ended", "transfer"),
-]
+    with broken_pool(ivr) as pool:
+        yield pool
 
 
 @pytest.mark.parametrize("transport", ["twilio", "sip"])
@@ -126,7 +98,7 @@ def test_speech_menus_on_every_transport(request: pytest.FixtureRequest, ivr: Vi
                                          said: dict[str, bytes],
                                          caplog: pytest.LogCaptureFixture, name: str,
                                          transport: str) -> None:
-    failing = name.startswith("a recogniser failure")
+    failing = name == FAILURE
     with contextlib.ExitStack() as stack:
         if failing:
             broken = request.getfixturevalue("broken_recognizer")

@@ -27,6 +27,9 @@ from tests.support.builds import built_once
 from tests.support.paths import DEMO_SCRIPT
 from tests.support.servers import LoopBackend, VirtualServer, serve_virtual, virtual_loop
 from tests.support.speech_callers import (
+    COMMON_SCENARIOS,
+    FAILURE,
+    broken_pool,
     ivr_trace,
     recognizer_swapped,
     run_scenario,
@@ -99,30 +102,12 @@ def ivr(whisper_demo: tuple[VirtualServer, list[dict[str, Any]]]) -> VirtualServ
 @pytest.fixture(scope="module")
 def broken_recognizer(ivr: VirtualServer) -> Iterator[Any]:
     """A recogniser pool whose every turn fails (in its worker process), started once."""
-    from gateway.asr.pool import RecognizerPool
-    from tests.support import asr_fakes
-
-    pool = RecognizerPool(asr_fakes.Broken, workers=1, timeout_s=10)
-    ivr.run(pool.start())
-    yield pool
-    ivr.run(pool.close())
+    with broken_pool(ivr) as pool:
+        yield pool
 
 
 SCENARIOS: dict[str, list[tuple[str, str]]] = {
-    "a spoken choice routes the call": [
-        ("played", "For your account balance"),
-        ("say", "agent"),
-        ("hear", "transfer you to an agent"),
-        ("ended", "transfer"),
-    ],
-    "an out-of-menu sentence gets the retry prompt, then keys still work": [
-        ("played", "For your account balance"),
-        ("say", "cancel"),
-        ("hear", "didn't catch that"),
-        ("press", "2"),
-        ("hear", "transfer you to an agent"),
-        ("ended", "transfer"),
-    ],
+    **COMMON_SCENARIOS,
     # Said during the menu (it barges in), then the account number digit by digit: the
     # backend's webhook gets it as it would the keys.
     "a spoken account number reaches the backend": [
@@ -141,14 +126,6 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("hear", "transfer you to an agent"),
         ("ended", "transfer"),
     ],
-    "a recogniser failure falls back to keys with a logged reason": [
-        ("played", "For your account balance"),
-        ("say", "agent"),
-        ("hear", "didn't catch that"),
-        ("press", "2"),
-        ("hear", "transfer you to an agent"),
-        ("ended", "transfer"),
-    ],
 }
 
 
@@ -159,7 +136,7 @@ def test_whisper_speech_menus_on_every_transport(
     whisper_demo: tuple[VirtualServer, list[dict[str, Any]]], said: dict[str, bytes],
     caplog: pytest.LogCaptureFixture, name: str, transport: str,
 ) -> None:
-    failing = name.startswith("a recogniser failure")
+    failing = name == FAILURE
     seen = whisper_demo[1]
     before = len(seen)
     with contextlib.ExitStack() as stack:

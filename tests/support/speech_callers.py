@@ -16,7 +16,8 @@ from tests.support.clocks import LoopClock
 from tests.support.servers import AUTH_TOKEN, VirtualServer
 from tests.support.waiting import until
 
-__all__ = ["SipCaller", "TwilioCaller", "ivr_trace", "recognizer_swapped"]
+__all__ = ["COMMON_SCENARIOS", "FAILURE", "SipCaller", "TwilioCaller", "broken_pool", "ivr_trace",
+           "recognizer_swapped", "run_scenario"]
 
 
 class TwilioCaller:
@@ -113,6 +114,53 @@ async def run_scenario(live: VirtualServer, said: dict[str, bytes],
     await until(lambda: call.call_id not in registry, 30)
     await asyncio.sleep(0)
     return call
+
+
+#: The scenario in which every recognition fails (the tests swap in :func:`broken_pool`).
+FAILURE = "a recogniser failure falls back to keys with a logged reason"
+
+#: What every recogniser must do with the demo's menu, as :func:`run_scenario` steps; each
+#: recogniser's tests add their own.
+COMMON_SCENARIOS: dict[str, list[tuple[str, str]]] = {
+    # After the menu has played: "agent" goes to the agent node, which transfers.
+    "a spoken choice routes the call": [
+        ("played", "For your account balance"),
+        ("say", "agent"),
+        ("hear", "transfer you to an agent"),
+        ("ended", "transfer"),
+    ],
+    "an out-of-menu sentence gets the retry prompt, then keys still work": [
+        ("played", "For your account balance"),
+        ("say", "cancel"),
+        ("hear", "didn't catch that"),
+        ("press", "2"),
+        ("hear", "transfer you to an agent"),
+        ("ended", "transfer"),
+    ],
+    FAILURE: [
+        ("played", "For your account balance"),
+        ("say", "agent"),
+        ("hear", "didn't catch that"),
+        ("press", "2"),
+        ("hear", "transfer you to an agent"),
+        ("ended", "transfer"),
+    ],
+}
+
+
+@contextlib.contextmanager
+def broken_pool(live: VirtualServer) -> Iterator[Any]:
+    """A recogniser pool whose every turn fails (in its worker process), running on ``live``'s
+    loop for the block."""
+    from gateway.asr.pool import RecognizerPool
+    from tests.support import asr_fakes
+
+    pool = RecognizerPool(asr_fakes.Broken, workers=1, timeout_s=10)
+    live.run(pool.start())
+    try:
+        yield pool
+    finally:
+        live.run(pool.close())
 
 
 @contextlib.contextmanager
