@@ -19,13 +19,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gateway.call import Call
-from tests.support.builds import built_once
 from tests.support.servers import VirtualServer
 from tests.support.speech_callers import (
     COMMON_SCENARIOS,
@@ -34,6 +32,7 @@ from tests.support.speech_callers import (
     ivr_trace,
     recognizer_swapped,
     run_scenario,
+    said_once,
 )
 
 #: What callers say (text, flite voice). Synthesised once per run into ``<name>.ulaw``.
@@ -47,19 +46,9 @@ UTTERANCES = {
 }
 
 
-def _synthesise(directory: Path) -> None:
-    from gateway.asr.synth import SynthVoice, phone_line, synthesize
-
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, (text, voice) in UTTERANCES.items():
-        speech = synthesize(text, SynthVoice("flite", voice))
-        (directory / f"{name}.ulaw").write_bytes(phone_line(speech, lead_s=0.2, tail_s=0.2))
-
-
 @pytest.fixture(scope="session")
 def said(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
-    directory = built_once(tmp_path_factory, "speech-utterances", _synthesise)
-    return {name: (directory / f"{name}.ulaw").read_bytes() for name in UTTERANCES}
+    return said_once(tmp_path_factory, "speech-utterances", UTTERANCES)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ import pytest
 
 from gateway.asr.whisper import model_available
 from gateway.call import Call
-from tests.support.builds import built_once
 from tests.support.paths import DEMO_SCRIPT
 from tests.support.servers import LoopBackend, VirtualServer, serve_virtual, virtual_loop
 from tests.support.speech_callers import (
@@ -33,6 +32,7 @@ from tests.support.speech_callers import (
     ivr_trace,
     recognizer_swapped,
     run_scenario,
+    said_once,
 )
 
 pytestmark = pytest.mark.skipif(not model_available("tiny.en"),
@@ -50,20 +50,9 @@ UTTERANCES = {
 }
 
 
-def _synthesise(directory: Path) -> None:
-    from gateway.asr.synth import SynthVoice, noise_only, phone_line, synthesize
-
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, (text, voice) in UTTERANCES.items():
-        audio = (noise_only(text.split(":")[1], 1.5, seed=5) if text.startswith("noise:")
-                 else synthesize(text, SynthVoice("flite", voice)))
-        (directory / f"{name}.ulaw").write_bytes(phone_line(audio, lead_s=0.2, tail_s=0.2))
-
-
 @pytest.fixture(scope="session")
 def said(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
-    directory = built_once(tmp_path_factory, "whisper-utterances", _synthesise)
-    return {name: (directory / f"{name}.ulaw").read_bytes() for name in UTTERANCES}
+    return said_once(tmp_path_factory, "whisper-utterances", UTTERANCES)
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gateway.call import Call, EndCall, TransferTo
+from tests.support.builds import built_once
 from tests.support.clocks import LoopClock
 from tests.support.servers import AUTH_TOKEN, VirtualServer
 from tests.support.waiting import until
 
 __all__ = ["COMMON_SCENARIOS", "FAILURE", "SipCaller", "TwilioCaller", "broken_pool", "ivr_trace",
-           "recognizer_swapped", "run_scenario"]
+           "recognizer_swapped", "run_scenario", "said_once"]
 
 
 class TwilioCaller:
@@ -115,6 +117,25 @@ async def run_scenario(live: VirtualServer, said: dict[str, bytes],
     await asyncio.sleep(0)
     return call
 
+
+
+def said_once(tmp_path_factory: pytest.TempPathFactory, name: str,
+              utterances: dict[str, tuple[str, str]]) -> dict[str, bytes]:
+    """What callers say, as their mu-law line audio by name, synthesised once per test run
+    (``built_once``): each utterance is ``(text, flite voice)``, or ``("noise:<kind>", "")``
+    for a line carrying noise alone; 0.2 s of line before and after."""
+
+    def synthesise(directory: Path) -> None:
+        from gateway.asr.synth import SynthVoice, noise_only, phone_line, synthesize
+
+        directory.mkdir(parents=True, exist_ok=True)
+        for key, (text, voice) in utterances.items():
+            audio = (noise_only(text.split(":")[1], 1.5, seed=5) if text.startswith("noise:")
+                     else synthesize(text, SynthVoice("flite", voice)))
+            (directory / f"{key}.ulaw").write_bytes(phone_line(audio, lead_s=0.2, tail_s=0.2))
+
+    directory = built_once(tmp_path_factory, name, synthesise)
+    return {key: (directory / f"{key}.ulaw").read_bytes() for key in utterances}
 
 #: The scenario in which every recognition fails (the tests swap in :func:`broken_pool`).
 FAILURE = "a recogniser failure falls back to keys with a logged reason"
